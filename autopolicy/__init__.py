@@ -1,0 +1,65 @@
+"""autopolicy: per-layer dtype policies (float32, bfloat16/float16, int8, float8) for JAX,
+and a search that picks the fastest ones that keep accuracy within budget.
+
+Importing ``autopolicy`` does not import pandas or matplotlib (reports and the CLI do).
+"""
+
+from autopolicy import dtype_policies, mixed_precision, numerics, policies
+from autopolicy.numerics import (
+    DynamicLossScale,
+    LossScaleOptimizer,
+    LossScaleState,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    loss_scale_optimizer,
+    select_tree,
+)
+from autopolicy.policies import (
+    DTypePolicy,
+    DTypePolicyMap,
+    FloatDTypePolicy,
+    QuantizedDTypePolicy,
+    QuantizedFloat8DTypePolicy,
+    deserialize,
+    dtype_policy,
+    get,
+    load_policy_map,
+    policy_scope,
+    save_policy_map,
+    serialize,
+    set_dtype_policy,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # modules
+    "policies",
+    "dtype_policies",
+    "mixed_precision",
+    "numerics",
+    # policies
+    "DTypePolicy",
+    "FloatDTypePolicy",
+    "QuantizedDTypePolicy",
+    "QuantizedFloat8DTypePolicy",
+    "DTypePolicyMap",
+    "get",
+    "serialize",
+    "deserialize",
+    "set_dtype_policy",
+    "dtype_policy",
+    "policy_scope",
+    "save_policy_map",
+    "load_policy_map",
+    # loss scaling
+    "DynamicLossScale",
+    "StaticLossScale",
+    "NoOpLossScale",
+    "LossScaleState",
+    "loss_scale_optimizer",
+    "LossScaleOptimizer",
+    "all_finite",
+    "select_tree",
+]

@@ -1,0 +1,38 @@
+"""Keras-compatible dtype policies: what dtype each layer computes in and stores variables in.
+
+Also importable as ``autopolicy.dtype_policies`` (Keras's name for this module).
+"""
+
+from autopolicy.policies._global import dtype_policy, policy_scope, set_dtype_policy
+from autopolicy.policies._map import DTypePolicyMap
+from autopolicy.policies._names import QUANTIZATION_MODES
+from autopolicy.policies._policy import (
+    DTypePolicy,
+    FloatDTypePolicy,
+    QuantizedDTypePolicy,
+    QuantizedFloat8DTypePolicy,
+)
+from autopolicy.policies._serialization import (
+    deserialize,
+    get,
+    load_policy_map,
+    save_policy_map,
+    serialize,
+)
+
+__all__ = [
+    "DTypePolicy",
+    "FloatDTypePolicy",
+    "QuantizedDTypePolicy",
+    "QuantizedFloat8DTypePolicy",
+    "DTypePolicyMap",
+    "QUANTIZATION_MODES",
+    "get",
+    "serialize",
+    "deserialize",
+    "set_dtype_policy",
+    "dtype_policy",
+    "policy_scope",
+    "save_policy_map",
+    "load_policy_map",
+]

@@ -1,0 +1,110 @@
+"""Policy names: the constants every check and error message is built from, and the parser."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 and the float8 types with NumPy)
+import numpy as np
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+MIXED_POLICIES = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
+# Keras accepts non-float dtypes for a plain policy; floats are then cast to them. "int8" is left
+# out on purpose: alone it reads as the quantization mode, so it gets a pointed error instead.
+OTHER_DTYPES = ("bool", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+QUANTIZATION_MODES = ("int8", "float8")
+# int8 rescaling multiplies int32 accumulators by two scales; float16 overflows at 65504.
+INT8_REFUSED_COMPUTE_DTYPES = ("float16",)
+MIN_AMAX_HISTORY_LENGTH = 1
+
+PLAIN_NAMES = FLOAT_DTYPES + tuple(MIXED_POLICIES) + OTHER_DTYPES
+FLOAT_SOURCE_NAMES = FLOAT_DTYPES + tuple(MIXED_POLICIES)
+_SEPARATOR = "_from_"
+
+VALID_FORMS = (
+    f"a float dtype {FLOAT_DTYPES}, a mixed policy {tuple(MIXED_POLICIES)}, "
+    f"a non-float dtype {OTHER_DTYPES}, or '<mode>_from_<source>' with mode in "
+    f"{QUANTIZATION_MODES} and source a float or mixed name (e.g. 'int8_from_float32')"
+)
+
+
+class DTypes(NamedTuple):
+    compute: str
+    variable: str
+
+
+def check_is_str(name: object, argument: str = "name") -> str:
+    if not isinstance(name, str):
+        raise TypeError(
+            f"A dtype policy {argument} must be a string. "
+            f"Received: {argument}={name!r} of type {type(name).__name__}"
+        )
+    return name
+
+
+def parse_plain(name: str) -> DTypes:
+    """Returns the compute and variable dtypes of a non-quantized policy name."""
+    if name in MIXED_POLICIES:
+        return DTypes(MIXED_POLICIES[name], "float32")
+    if name in FLOAT_DTYPES or name in OTHER_DTYPES:
+        return DTypes(name, name)
+    raise ValueError(_invalid_name_message(name))
+
+
+def split_quantized(name: str) -> tuple[str, str] | None:
+    """Splits ``'<mode>_from_<source>'`` into ``(mode, source)``; None for other names."""
+    mode, sep, source = name.partition(_SEPARATOR)
+    if not sep:
+        return None
+    return mode, source
+
+
+def check_mode(mode: object, valid: tuple[str, ...], cls_name: str) -> str:
+    if mode not in valid:
+        hint = ""
+        if mode in QUANTIZATION_MODES:
+            other = "QuantizedFloat8DTypePolicy" if mode == "float8" else "QuantizedDTypePolicy"
+            hint = f" (use {other} for mode={mode!r})"
+        raise ValueError(
+            f"Invalid quantization mode for {cls_name}. Expected one of {valid}. "
+            f"Received: mode={mode!r}{hint}"
+        )
+    return mode
+
+
+def check_source(mode: str, source_name: object) -> DTypes:
+    """Validates the source of a quantized policy and returns its dtypes."""
+    check_is_str(source_name, "source_name")
+    if source_name not in FLOAT_SOURCE_NAMES:
+        raise ValueError(
+            f"Invalid source policy for quantization mode {mode!r}. Expected one of "
+            f"{FLOAT_SOURCE_NAMES}. Received: source_name={source_name!r}"
+        )
+    dtypes = parse_plain(source_name)
+    if mode == "int8" and dtypes.compute in INT8_REFUSED_COMPUTE_DTYPES:
+        raise ValueError(
+            f"Quantization mode 'int8' does not support compute dtype {dtypes.compute!r}: "
+            "int8 rescaling overflows float16 easily. Use a bfloat16 or float32 source, e.g. "
+            f"'int8_from_mixed_bfloat16'. Received: source_name={source_name!r}"
+        )
+    return dtypes
+
+
+def _invalid_name_message(name: str) -> str:
+    if name in QUANTIZATION_MODES:
+        return (
+            f"{name!r} is a quantization mode, not a policy: name its source too, e.g. "
+            f"'{name}_from_float32'. Received: name={name!r}"
+        )
+    return f"Invalid dtype policy name. Expected {VALID_FORMS}. Received: name={name!r}"
+
+
+def dtype_name(dtype: object) -> str:
+    """The canonical name of a NumPy/JAX dtype or scalar type (``jnp.bfloat16`` -> 'bfloat16')."""
+    return np.dtype(dtype).name
+
+
+def is_floating(dtype: object) -> bool:
+    """True for float dtypes, including the ml_dtypes ones (bfloat16, float8_*)."""
+    dt = np.dtype(dtype)
+    return dt.kind == "f" or (dt.kind == "V" and "float" in dt.name)

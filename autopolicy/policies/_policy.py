@@ -1,0 +1,195 @@
+"""The policy classes: plain, int8-quantized and float8-quantized.
+
+Policies are frozen dataclasses whose fields are strings and ints, so they compare by value,
+hash, pickle, and can be static arguments of ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import numpy as np
+
+from autopolicy.policies import _names
+
+__all__ = [
+    "DTypePolicy",
+    "FloatDTypePolicy",
+    "QuantizedDTypePolicy",
+    "QuantizedFloat8DTypePolicy",
+]
+
+
+def _global_source_name() -> str:
+    """The global policy's name, or its source name when the global policy is quantized."""
+    from autopolicy.policies import _global  # pylint: disable=import-outside-toplevel
+
+    policy = _global.dtype_policy()
+    return getattr(policy, "source_name", None) or policy.name
+
+
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
+class DTypePolicy:
+    """A dtype policy: the dtype a layer computes in and the dtype it stores variables in.
+
+    Args:
+      name: A float dtype (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"float64"``),
+        ``"mixed_float16"`` or ``"mixed_bfloat16"`` (compute in 16 bits, variables in float32),
+        or a non-float dtype such as ``"int32"``. None means the global policy's name.
+
+    Raises:
+      TypeError: if ``name`` is neither a string nor None.
+      ValueError: if ``name`` is not a valid policy name.
+
+    >>> policy = DTypePolicy("mixed_bfloat16")
+    >>> policy.compute_dtype, policy.variable_dtype
+    ('bfloat16', 'float32')
+    >>> policy
+    <DTypePolicy "mixed_bfloat16">
+    """
+
+    name: str
+    compute_dtype: str
+    variable_dtype: str
+
+    quantization_mode: ClassVar[str | None] = None
+
+    def __init__(self, name: str | None = None):
+        if name is None:
+            name = _global_source_name()
+        _names.check_is_str(name)
+        if _names.split_quantized(name) is not None:
+            raise ValueError(
+                f"{name!r} is a quantized policy name: use autopolicy.policies.get({name!r}) or "
+                f"QuantizedDTypePolicy/QuantizedFloat8DTypePolicy. Received: name={name!r}"
+            )
+        dtypes = _names.parse_plain(name)
+        self._set_fields(name=name, compute_dtype=dtypes.compute, variable_dtype=dtypes.variable)
+
+    def _set_fields(self, **fields: Any) -> None:
+        for key, value in fields.items():
+            object.__setattr__(self, key, value)
+
+    @property
+    def should_cast_variables(self) -> bool:
+        """Whether variables must be cast to a different dtype for computation (TF 2 name)."""
+        return self.compute_dtype != self.variable_dtype
+
+    def convert_input(self, x: Any, autocast: bool, dtype: Any) -> Any:
+        """Casts a floating-point array to ``dtype`` when ``autocast`` is on.
+
+        Integer and boolean arrays (token ids, masks) and Python scalars are returned unchanged.
+
+        >>> import numpy as np
+        >>> DTypePolicy("float16").convert_input(np.ones(2), True, "float16").dtype
+        dtype('float16')
+        >>> DTypePolicy("float16").convert_input(np.arange(2), True, "float16").dtype
+        dtype('int64')
+        """
+        x_dtype = getattr(x, "dtype", None)
+        if not autocast or x_dtype is None or not hasattr(x, "astype"):
+            return x
+        if not _names.is_floating(x_dtype) or np.dtype(x_dtype) == np.dtype(dtype):
+            return x
+        return x.astype(np.dtype(dtype))
+
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "DTypePolicy":
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        return f'<{type(self).__name__} "{self.name}">'
+
+
+# Keras kept this name for compatibility; here it is the very same class.
+FloatDTypePolicy = DTypePolicy
+
+
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
+class QuantizedDTypePolicy(DTypePolicy):
+    """A policy whose layers run quantized (int8) kernels on top of a float source policy.
+
+    Args:
+      mode: The quantization mode: ``"int8"``.
+      source_name: The non-quantized policy the float parts follow (``"float32"``,
+        ``"mixed_bfloat16"``, ...). None means the global policy's name. int8 with a float16
+        compute dtype is refused: the rescaled int32 products overflow float16.
+
+    >>> QuantizedDTypePolicy("int8", "mixed_bfloat16")
+    <QuantizedDTypePolicy "int8_from_mixed_bfloat16">
+    """
+
+    mode: str
+    source_name: str
+
+    VALID_MODES: ClassVar[tuple[str, ...]] = ("int8",)
+
+    def __init__(self, mode: str, source_name: str | None = None):
+        self._init_quantized(mode, source_name)
+
+    def _init_quantized(self, mode: str, source_name: str | None, **extra: Any) -> None:
+        _names.check_mode(mode, self.VALID_MODES, type(self).__name__)
+        if source_name is None:
+            source_name = _global_source_name()
+        dtypes = _names.check_source(mode, source_name)
+        self._set_fields(
+            name=f"{mode}_from_{source_name}",
+            compute_dtype=dtypes.compute,
+            variable_dtype=dtypes.variable,
+            mode=mode,
+            source_name=source_name,
+            **extra,
+        )
+
+    @property
+    def quantization_mode(self) -> str:  # type: ignore[override]
+        return self.mode
+
+    def get_config(self) -> dict[str, Any]:
+        return {"mode": self.mode, "source_name": self.source_name}
+
+
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
+class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
+    """A float8 policy with delayed scaling.
+
+    Args:
+      mode: ``"float8"``.
+      source_name: The non-quantized policy the float parts follow; None means the global one.
+      amax_history_length: How many steps of absolute maxima each float8 tensor remembers to
+        compute its scale (an int >= 1).
+
+    >>> QuantizedFloat8DTypePolicy("float8", "float32", amax_history_length=16).amax_history_length
+    16
+    """
+
+    amax_history_length: int
+
+    VALID_MODES: ClassVar[tuple[str, ...]] = ("float8",)
+
+    def __init__(
+        self,
+        mode: str = "float8",
+        source_name: str | None = None,
+        amax_history_length: int = 1024,
+    ):
+        if isinstance(amax_history_length, bool) or not isinstance(
+            amax_history_length, (int, np.integer)
+        ):
+            raise TypeError(
+                "amax_history_length must be an integer. "
+                f"Received: amax_history_length={amax_history_length!r}"
+            )
+        if amax_history_length < _names.MIN_AMAX_HISTORY_LENGTH:
+            raise ValueError(
+                f"amax_history_length must be >= {_names.MIN_AMAX_HISTORY_LENGTH}. "
+                f"Received: amax_history_length={amax_history_length!r}"
+            )
+        self._init_quantized(mode, source_name, amax_history_length=int(amax_history_length))
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "amax_history_length": self.amax_history_length}

@@ -1,0 +1,34 @@
+"""Every public name resolves, and importing the core pulls in neither pandas nor matplotlib."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+PUBLIC_MODULES = [
+    "autopolicy",
+    "autopolicy.policies",
+    "autopolicy.dtype_policies",
+    "autopolicy.mixed_precision",
+    "autopolicy.numerics",
+]
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_every_public_name_exists(module_name):
+    module = importlib.import_module(module_name)
+    assert module.__all__, module_name
+    assert len(set(module.__all__)) == len(module.__all__)
+    for name in module.__all__:
+        assert getattr(module, name) is not None, f"{module_name}.{name}"
+
+
+def test_core_import_is_light():
+    code = (
+        "import sys, autopolicy; "
+        "heavy = [m for m in ('pandas', 'matplotlib', 'sklearn', 'tqdm') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
