@@ -1,0 +1,44 @@
+"""Layers that honour dtype policies, as immutable JAX pytrees.
+
+Build a model once with sample inputs, call it, jit it, train it with optax, give it a
+``DTypePolicyMap``: every change returns a new model.
+
+Floating-point inputs of every layer (positional and keyword, nested) are cast to the layer's
+compute dtype, as in Keras 3 (TF 2 cast only the first argument); integer inputs (ids, masks)
+never are. Weights are stored in the variable dtype and read in the compute dtype.
+"""
+
+from autopolicy.nn._context import rng_scope
+from autopolicy.nn._module import Layer, Module, is_module
+from autopolicy.nn import activations, initializers, regularizers
+from autopolicy.nn.attention import DotProductAttention, MultiHeadAttention
+from autopolicy.nn.conv import Conv2D, MaxPooling2D
+from autopolicy.nn.core import Activation, Dropout, Flatten, GlobalAveragePooling1D, Softmax
+from autopolicy.nn.dense import Dense, EinsumDense
+from autopolicy.nn.embedding import Embedding
+from autopolicy.nn.normalization import LayerNormalization
+from autopolicy.nn.sequential import Sequential
+
+__all__ = [
+    "Module",
+    "Layer",
+    "is_module",
+    "rng_scope",
+    "Dense",
+    "EinsumDense",
+    "Embedding",
+    "Conv2D",
+    "MaxPooling2D",
+    "LayerNormalization",
+    "Dropout",
+    "Activation",
+    "Softmax",
+    "Flatten",
+    "GlobalAveragePooling1D",
+    "DotProductAttention",
+    "MultiHeadAttention",
+    "Sequential",
+    "activations",
+    "initializers",
+    "regularizers",
+]

@@ -1,0 +1,62 @@
+"""Activations by Keras name, or any callable. Softmax and the like compute in float32."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["get", "NAMES", "softmax"]
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax computed in float32 (16-bit exponentials overflow), returned in ``x``'s dtype."""
+    return jax.nn.softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
+
+
+def _linear(x):
+    return x
+
+
+def _gelu(x):
+    return jax.nn.gelu(x, approximate=False)
+
+
+def _leaky_relu(x):
+    return jax.nn.leaky_relu(x, 0.2)
+
+
+NAMES: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "linear": _linear,
+    "relu": jax.nn.relu,
+    "relu6": jax.nn.relu6,
+    "gelu": _gelu,
+    "gelu_approximate": jax.nn.gelu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "elu": jax.nn.elu,
+    "leaky_relu": _leaky_relu,
+    "softplus": jax.nn.softplus,
+    "softmax": softmax,
+}
+
+
+def get(identifier: Any) -> Callable[[jax.Array], jax.Array]:
+    """Returns the activation named ``identifier`` (None is linear), or the callable itself.
+
+    >>> get("relu")(jnp.array([-1.0, 2.0]))
+    Array([0., 2.], dtype=float32)
+    """
+    if identifier is None:
+        return _linear
+    if callable(identifier):
+        return identifier
+    if isinstance(identifier, str) and identifier in NAMES:
+        return NAMES[identifier]
+    raise ValueError(
+        f"Unknown activation. Expected None, one of {tuple(NAMES)} or a callable. "
+        f"Received: activation={identifier!r}"
+    )

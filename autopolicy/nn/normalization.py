@@ -1,0 +1,62 @@
+"""LayerNormalization, computed in float32 whatever the compute dtype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from autopolicy.nn import initializers
+from autopolicy.nn._module import Module
+
+__all__ = ["LayerNormalization"]
+
+
+class LayerNormalization(Module):
+    """Normalizes over the last axis: ``(x - mean) / sqrt(var + epsilon) * gamma + beta``.
+
+    The statistics and the affine step run in float32 (a float16 variance of values ~1e3
+    overflows); the result comes back in the compute dtype. ``gamma`` and ``beta`` stay in the
+    variable dtype inside the computation.
+
+    >>> import autopolicy.nn as nn
+    >>> ln = nn.LayerNormalization(dtype="mixed_float16").build(jax.random.key(0), jnp.ones((2, 4)))
+    >>> y = ln(jnp.array([[1e3, 2e3, 3e3, 4e3]]))
+    >>> y.dtype, bool(jnp.isfinite(y).all())
+    (dtype('float16'), True)
+    """
+
+    tunable = True
+
+    def __init__(self, epsilon: float = 1e-3, center: bool = True, scale: bool = True,
+                 beta_initializer: Any = "zeros", gamma_initializer: Any = "ones",
+                 *, name: str | None = None, dtype: Any = None, autocast: bool = True):
+        super().__init__(name=name, dtype=dtype, autocast=autocast)
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+            raise ValueError(f"epsilon must be a number > 0. Received: epsilon={epsilon!r}")
+        self.epsilon = float(epsilon)
+        self.center = bool(center)
+        self.scale = bool(scale)
+        self.beta_initializer = initializers.check(beta_initializer, "beta_initializer")
+        self.gamma_initializer = initializers.check(gamma_initializer, "gamma_initializer")
+        self.gamma = None
+        self.beta = None
+
+    def build_variables(self, x: jax.Array) -> None:
+        dim = x.shape[-1]
+        if self.scale:
+            self.add_weight("gamma", (dim,), self.gamma_initializer, autocast=False)
+        if self.center:
+            self.add_weight("beta", (dim,), self.beta_initializer, autocast=False)
+
+    def call(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.epsilon)
+        if self.gamma is not None:
+            y = y * self.gamma.astype(jnp.float32)
+        if self.beta is not None:
+            y = y + self.beta.astype(jnp.float32)
+        return y.astype(x.dtype)

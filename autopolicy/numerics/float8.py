@@ -1,0 +1,154 @@
+"""float8 with delayed scaling: e4m3 forward (inputs, kernel), e5m2 backward (output gradient).
+
+Each of the three tensors of a float8 product keeps a :class:`Float8Meta`: a history of its
+absolute maxima and the scale derived from it. A step quantizes with the current scale
+(``x / scale`` clipped to the format's range, then back); afterwards the history rolls by one,
+records the step's amax, and the next scale is ``max(history) * 2**margin / fp8_max``, keeping
+the old scale when that max is 0 or not finite.
+
+Histories are updated by the gradient: :func:`fp8_einsum`'s backward pass returns the *updated*
+metas as their "gradients" (the overwrite-with-gradient convention of Flax's float8 ops), so a
+training step that differentiates with respect to them gets their new values and overwrites them.
+A forward pass alone (inference) leaves them frozen.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from autopolicy._pytree import pytree_dataclass, replace, set_fields
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "E4M3_MAX",
+    "E5M2_MAX",
+    "Float8Meta",
+    "quantize_dequantize",
+    "fp8_einsum",
+    "DEFAULT_MARGIN",
+    "overwrite_with_gradient",
+]
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
+E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344
+DEFAULT_MARGIN = 0
+
+
+@pytree_dataclass
+class Float8Meta:
+    """The delayed-scaling state of one float8 tensor.
+
+    Args:
+      history_length: How many steps of amax to remember (>= 1).
+      scale: The initial scale (values are divided by it before the cast).
+
+    >>> meta = Float8Meta(4)
+    >>> meta.amax_history.shape, float(meta.scale)
+    ((4,), 1.0)
+    """
+
+    amax_history: jax.Array
+    scale: jax.Array
+
+    def __init__(self, history_length: int, scale: float | jax.Array = 1.0):
+        if isinstance(history_length, bool) or not isinstance(history_length, int) or history_length < 1:
+            raise ValueError(f"history_length must be an int >= 1. Received: {history_length!r}")
+        set_fields(
+            self,
+            amax_history=jnp.zeros((history_length,), jnp.float32),
+            scale=jnp.asarray(scale, jnp.float32),
+        )
+
+    def update(self, amax: jax.Array, fp8_max: float, margin: int = DEFAULT_MARGIN) -> "Float8Meta":
+        """Records ``amax`` and returns the meta holding the scale for the next step."""
+        amax = jnp.asarray(amax, jnp.float32)
+        # A non-finite amax (an overflowed step) is recorded as 0 so it cannot poison the
+        # history for its whole length; the scale then stays where it was.
+        amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
+        history = jnp.roll(self.amax_history, 1).at[0].set(amax)
+        top = jnp.max(history)
+        new_scale = top * (2.0**margin) / fp8_max
+        ok = (top > 0) & jnp.isfinite(new_scale) & (new_scale > 0)
+        return replace(self, amax_history=history, scale=jnp.where(ok, new_scale, self.scale))
+
+
+def quantize_dequantize(x: jax.Array, scale: jax.Array, fp8_dtype: Any) -> jax.Array:
+    """Rounds ``x`` to the float8 grid defined by ``scale`` (saturating), in ``x``'s dtype."""
+    fp8_max = float(jnp.finfo(fp8_dtype).max)
+    scale = scale.astype(jnp.float32)
+    q = jnp.clip(x.astype(jnp.float32) / scale, -fp8_max, fp8_max).astype(fp8_dtype)
+    return (q.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_einsum(
+    equation: str,
+    x: jax.Array,
+    kernel: jax.Array,
+    x_meta: Float8Meta,
+    kernel_meta: Float8Meta,
+    grad_meta: Float8Meta,
+) -> jax.Array:
+    """``einsum(equation, x, kernel)`` with both operands rounded to e4m3 by their scales.
+
+    The backward pass rounds the output gradient to e5m2 with ``grad_meta``'s scale, and
+    returns as the metas' "gradients" their updated values (see the module docstring).
+    """
+    return _fp8_fwd(equation, x, kernel, x_meta, kernel_meta, grad_meta)[0]
+
+
+def _fp8_fwd(equation, x, kernel, x_meta, kernel_meta, grad_meta):
+    xq = quantize_dequantize(x, x_meta.scale, E4M3)
+    kq = quantize_dequantize(kernel, kernel_meta.scale, E4M3)
+    y = jnp.einsum(equation, xq, kq)
+    return y, (xq, kq, _amax(x), _amax(kernel), x_meta, kernel_meta, grad_meta)
+
+
+def _fp8_bwd(equation, residuals, g):
+    xq, kq, x_amax, k_amax, x_meta, kernel_meta, grad_meta = residuals
+    gq = quantize_dequantize(g, grad_meta.scale, E5M2)
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum(equation, a, b), xq, kq)
+    dx, dk = vjp(gq.astype(xq.dtype))
+    return (
+        dx,
+        dk,
+        x_meta.update(x_amax, E4M3_MAX),
+        kernel_meta.update(k_amax, E4M3_MAX),
+        grad_meta.update(_amax(g), E5M2_MAX),
+    )
+
+
+fp8_einsum.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def overwrite_with_gradient(old: Any, new: Any) -> Any:
+    """Takes the updated metas that :func:`fp8_einsum` returned as gradients.
+
+    A meta whose "gradient" is zero was not used in the step (its layer did not run), so it
+    keeps its old value instead of being zeroed. Both arguments are trees of the same structure
+    whose leaves are the fields of :class:`Float8Meta` (None leaves are kept as they are).
+    """
+    is_meta = lambda x: isinstance(x, Float8Meta)  # noqa: E731
+
+    def pick(o, n):
+        if not isinstance(o, Float8Meta):
+            return o
+        used = n.scale > 0
+        return replace(
+            o,
+            amax_history=jnp.where(used, n.amax_history, o.amax_history),
+            scale=jnp.where(used, n.scale, o.scale),
+        )
+
+    return jax.tree_util.tree_map(pick, old, new, is_leaf=is_meta)
