@@ -7,12 +7,18 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["get", "NAMES", "softmax"]
+__all__ = ["get", "NAMES", "softmax", "accumulation_dtype"]
+
+
+def accumulation_dtype(dtype: Any) -> Any:
+    """float32 for 16-bit (and smaller) floats, the dtype itself otherwise (float64 stays)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype.itemsize < 4 else dtype
 
 
 def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
-    """Softmax computed in float32 (16-bit exponentials overflow), returned in ``x``'s dtype."""
-    return jax.nn.softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
+    """Softmax computed in at least float32 (16-bit exponentials overflow), in ``x``'s dtype."""
+    return jax.nn.softmax(x.astype(accumulation_dtype(x.dtype)), axis=axis).astype(x.dtype)
 
 
 def _linear(x):

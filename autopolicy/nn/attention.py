@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from autopolicy.nn._module import Module
+from autopolicy.nn.activations import accumulation_dtype
 from autopolicy.nn.core import dropout
 from autopolicy.nn.dense import EinsumDense
 
@@ -33,9 +34,9 @@ class DotProductAttention(Module):
     def call(self, query, key, value, attention_mask=None, training: bool = False):
         depth = query.shape[-1]
         query = query * jnp.asarray(1.0 / math.sqrt(depth), query.dtype)
-        logits = jnp.einsum("bthd,bshd->bhts", query, key).astype(jnp.float32)
+        logits = jnp.einsum("bthd,bshd->bhts", query, key).astype(accumulation_dtype(query.dtype))
         if attention_mask is not None:
-            logits = jnp.where(attention_mask[:, None, :, :], logits, jnp.finfo(jnp.float32).min)
+            logits = jnp.where(attention_mask[:, None, :, :], logits, jnp.finfo(logits.dtype).min)
         probs = jax.nn.softmax(logits, axis=-1).astype(query.dtype)
         probs = dropout(self, probs, self.dropout, training)
         return jnp.einsum("bhts,bshd->bthd", probs, value)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from autopolicy.nn import _context, activations
+from autopolicy.nn.activations import accumulation_dtype
 from autopolicy.nn._module import Module
 
 __all__ = ["Activation", "Softmax", "Dropout", "Flatten", "GlobalAveragePooling1D"]
@@ -43,9 +44,9 @@ class Softmax(Module):
         self.axis = int(axis)
 
     def call(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-        xf = x.astype(jnp.float32)
+        xf = x.astype(accumulation_dtype(x.dtype))
         if mask is not None:
-            xf = jnp.where(mask, xf, jnp.finfo(jnp.float32).min)
+            xf = jnp.where(mask, xf, jnp.finfo(xf.dtype).min)
         return jax.nn.softmax(xf, axis=self.axis).astype(x.dtype)
 
 
@@ -91,8 +92,8 @@ class GlobalAveragePooling1D(Module):
     """Averages over the sequence axis (axis 1), in float32, with an optional mask ``(B, T)``."""
 
     def call(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-        xf = x.astype(jnp.float32)
+        xf = x.astype(accumulation_dtype(x.dtype))
         if mask is None:
             return jnp.mean(xf, axis=1).astype(x.dtype)
-        m = mask.astype(jnp.float32)[..., None]
+        m = mask.astype(xf.dtype)[..., None]
         return (jnp.sum(xf * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)).astype(x.dtype)

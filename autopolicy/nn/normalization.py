@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from autopolicy.nn import initializers
+from autopolicy.nn.activations import accumulation_dtype
 from autopolicy.nn._module import Module
 
 __all__ = ["LayerNormalization"]
@@ -16,8 +17,8 @@ __all__ = ["LayerNormalization"]
 class LayerNormalization(Module):
     """Normalizes over the last axis: ``(x - mean) / sqrt(var + epsilon) * gamma + beta``.
 
-    The statistics and the affine step run in float32 (a float16 variance of values ~1e3
-    overflows); the result comes back in the compute dtype. ``gamma`` and ``beta`` stay in the
+    The statistics and the affine step run in float32 or wider (a float16 variance of values
+    ~1e3 overflows); the result comes back in the compute dtype. ``gamma`` and ``beta`` stay in the
     variable dtype inside the computation.
 
     >>> import autopolicy.nn as nn
@@ -51,12 +52,13 @@ class LayerNormalization(Module):
             self.add_weight("beta", (dim,), self.beta_initializer, autocast=False)
 
     def call(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
+        acc = accumulation_dtype(x.dtype)
+        xf = x.astype(acc)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.epsilon)
         if self.gamma is not None:
-            y = y * self.gamma.astype(jnp.float32)
+            y = y * self.gamma.astype(acc)
         if self.beta is not None:
-            y = y + self.beta.astype(jnp.float32)
+            y = y + self.beta.astype(acc)
         return y.astype(x.dtype)

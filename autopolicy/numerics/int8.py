@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autopolicy.numerics import _u8s8_dot
+
 __all__ = [
     "INT8_MAX",
     "quantize_symmetric",
@@ -99,14 +101,48 @@ def int8_einsum(
 
 
 def _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype):
-    x_axes, _ = contracted_axes(equation)
-    x_q, x_scale = quantize_symmetric(x, x_axes)
-    acc = jnp.einsum(equation, x_q, kernel_q, preferred_element_type=jnp.int32)
-    # The contracted axes are size 1 in both scales, so this einsum is their outer product laid
-    # out like the output: one multiply per output element rescales the int32 accumulator.
-    scale = jnp.einsum(equation, x_scale, kernel_scale.astype(jnp.float32))
-    y = (acc.astype(jnp.float32) * scale).astype(compute_dtype)
-    return y, (x, kernel_q, kernel_scale)
+    if _u8s8_dot.AVAILABLE and jax.default_backend() == "cpu" and _is_matmul(equation):
+        y = _u8_matmul_path(equation, x, kernel_q, kernel_scale)
+    else:
+        x_axes, _ = contracted_axes(equation)
+        x_q, x_scale = quantize_symmetric(x, x_axes)
+        acc = jnp.einsum(equation, x_q, kernel_q, preferred_element_type=jnp.int32)
+        # The contracted axes are size 1 in both scales, so this einsum is their outer product
+        # laid out like the output: one multiply per output element rescales the accumulator.
+        y = acc.astype(jnp.float32) * jnp.einsum(equation, x_scale, kernel_scale.astype(jnp.float32))
+    return y.astype(compute_dtype), (x, kernel_q, kernel_scale)
+
+
+def _is_matmul(equation: str) -> bool:
+    """Whether the einsum is ``x[free_x, c] @ kernel[c, free_k]`` once reshaped to 2-D."""
+    lhs, rhs, out = _einsum_spec(equation)
+    summed = "".join(c for c in rhs if c in lhs and c not in out)
+    if not summed or not lhs.endswith(summed) or not rhs.startswith(summed):
+        return False
+    free_x, free_k = lhs[: len(lhs) - len(summed)], rhs[len(summed) :]
+    return out == free_x + free_k and not set(free_x) & set(free_k)
+
+
+def _u8_matmul_path(equation, x, kernel_q, kernel_scale):
+    """The int8 product on the CPU's u8 x s8 (VNNI) path; equals the s8 x s8 product."""
+    lhs, _, out = _einsum_spec(equation)
+    n_sum = sum(1 for c in lhs if c not in out)
+    free_shape = x.shape[: x.ndim - n_sum]
+    k = int(np.prod(x.shape[x.ndim - n_sum :]))
+    out_shape = kernel_q.shape[n_sum:]
+    n = int(np.prod(out_shape))
+    x2 = x.reshape((-1, k)).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x2), axis=1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    shifted = jnp.clip(jnp.round(x2 * (1.0 / x_scale)), -INT8_MAX, INT8_MAX) + 128.0
+    x_u8 = shifted.astype(jnp.uint8)
+    rows = x_u8.shape[0]
+    if rows == 1:  # YNNPACK's kernel needs two rows; a copy costs less than the slow path.
+        x_u8 = jnp.concatenate([x_u8, x_u8])
+    k2 = kernel_q.reshape((k, n))
+    acc = _u8s8_dot.u8s8_matmul(x_u8, k2)[:rows] - 128 * jnp.sum(k2, axis=0, dtype=jnp.int32)
+    y = acc.astype(jnp.float32) * x_scale * kernel_scale.astype(jnp.float32).reshape((1, n))
+    return y.reshape(free_shape + out_shape)
 
 
 def _int8_einsum_bwd(equation, compute_dtype, residuals, g):

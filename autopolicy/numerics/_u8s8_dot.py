@@ -1,0 +1,75 @@
+"""A uint8 x int8 -> int32 matrix product emitted as one HLO dot (the CPU's VNNI path).
+
+``lax.dot_general`` converts operands of different dtypes to the result dtype before XLA sees
+them, which turns a u8 x s8 product into a slow s32 one. XLA's CPU backend hands a true
+u8 x s8 -> s32 dot to YNNPACK, whose x86 kernel for it uses AVX512-VNNI (``vpdpbusd``); its
+s8 x s8 kernel widens to int16 instead and runs at about float32 speed. So the int8 layers
+shift their quantized inputs by +128 into uint8, multiply with this primitive, and subtract
+``128 * column_sums(kernel)``: the result equals the s8 x s8 product exactly.
+
+On other platforms the primitive lowers to that s8 x s8 product directly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["AVAILABLE", "u8s8_matmul"]
+
+
+def _define():
+    from jax.extend.core import Primitive  # pylint: disable=import-outside-toplevel
+    from jax.extend.mlir.dialects import stablehlo  # pylint: disable=import-outside-toplevel
+    from jax.interpreters import mlir  # pylint: disable=import-outside-toplevel
+
+    prim = Primitive("autopolicy_u8s8_matmul")
+
+    def abstract_eval(a, b):
+        if a.dtype != jnp.uint8 or b.dtype != jnp.int8 or a.ndim != 2 or b.ndim != 2:
+            raise TypeError(f"u8s8_matmul takes u8[M,K] and s8[K,N]. Received {a} and {b}")
+        if a.shape[1] != b.shape[0]:
+            raise TypeError(f"u8s8_matmul: contracted sizes differ: {a.shape} x {b.shape}")
+        return jax.core.ShapedArray((a.shape[0], b.shape[1]), jnp.int32)
+
+    def lower_cpu(ctx, a, b):
+        dims = stablehlo.DotDimensionNumbers.get(
+            lhs_batching_dimensions=[],
+            rhs_batching_dimensions=[],
+            lhs_contracting_dimensions=[1],
+            rhs_contracting_dimensions=[0],
+        )
+        try:
+            out_type = mlir.aval_to_ir_type(ctx.module_context, ctx.avals_out[0])
+        except TypeError:  # JAX versions whose aval_to_ir_type takes only the aval
+            out_type = mlir.aval_to_ir_type(ctx.avals_out[0])
+        return [stablehlo.dot_general(out_type, a, b, dims)]
+
+    def reference(a, b):
+        signed = (a.astype(jnp.int16) - 128).astype(jnp.int8)
+        acc = jax.lax.dot_general(signed, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        return acc + 128 * jnp.sum(b, axis=0, dtype=jnp.int32)
+
+    prim.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, lower_cpu, platform="cpu")
+    mlir.register_lowering(prim, mlir.lower_fun(reference, multiple_results=False))
+    return prim
+
+
+try:
+    _PRIM = _define()
+    AVAILABLE = True
+except Exception:  # pragma: no cover - an older or newer JAX without these hooks  # pylint: disable=broad-except
+    _PRIM = None
+    AVAILABLE = False
+
+
+@jax.jit
+def u8s8_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a @ b`` for ``a: u8[M, K]``, ``b: s8[K, N]``, accumulated exactly in int32.
+
+    >>> a = jnp.array([[0, 255]], jnp.uint8); b = jnp.array([[1], [-2]], jnp.int8)
+    >>> u8s8_matmul(a, b)
+    Array([[-510]], dtype=int32)
+    """
+    return _PRIM.bind(a, b)

@@ -1,0 +1,303 @@
+"""The module system: pytrees, immutability, names and paths, policies and maps, errors."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopolicy as ap
+import autopolicy.nn as nn
+
+X = jnp.asarray(np.random.default_rng(0).normal(size=(3, 6)), jnp.float32)
+
+
+def mlp(**kwargs):
+    return nn.Sequential(
+        [nn.Dense(8, activation="relu"), nn.Dense(8, activation="relu"), nn.Dense(4)], name="mlp", **kwargs
+    )
+
+
+class Block(nn.Module):
+    """A composite whose call order differs from its definition order."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.out = nn.Dense(6)
+        self.norm = nn.LayerNormalization()
+        self.mlp = mlp()
+
+    def call(self, x):
+        return x + self.cast(self.out(self.mlp(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [Block(), Block()]
+        self.head = nn.Dense(2, name="logits")
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_paths_are_unique_slash_joined_and_in_execution_order():
+    net = Net(name="net").build(jax.random.key(0), X)
+    paths = list(net.layers_by_path())
+    assert paths == [
+        "net/block/norm", "net/block/mlp/dense", "net/block/mlp/dense_1", "net/block/mlp/dense_2",
+        "net/block/out",
+        "net/block_1/norm", "net/block_1/mlp/dense", "net/block_1/mlp/dense_1", "net/block_1/mlp/dense_2",
+        "net/block_1/out",
+        "net/logits",
+    ]
+    assert len(set(net.modules())) == len(net.modules())
+    for path, layer in net.layers_by_path().items():
+        assert layer.path == path
+
+
+def test_auto_names_and_duplicate_explicit_names():
+    seq = nn.Sequential([nn.Dense(2), nn.Dense(2, name="dense_1"), nn.Dense(2), nn.Conv2D(1, 1)])
+    assert [layer.name for layer in seq] == ["dense", "dense_1", "dense_2", "conv2d"]
+    assert seq.path == "sequential"
+    with pytest.raises(ValueError, match="dense_x"):
+        nn.Sequential([nn.Dense(2, name="dense_x"), nn.Dense(2, name="dense_x")])
+    with pytest.raises(ValueError, match="without '/'"):
+        nn.Dense(2, name="a/b")
+
+
+def test_nesting_repaths_without_mutating_the_child():
+    inner = mlp()
+    outer = nn.Sequential([inner], name="outer")
+    assert inner.layers[0].path == "mlp/dense"
+    assert outer.layers[0].layers[0].path == "outer/mlp/dense"
+
+
+def test_modules_are_immutable():
+    layer = nn.Dense(2).build(jax.random.key(0), X)
+    with pytest.raises(AttributeError, match="immutable"):
+        layer.units = 3
+    with pytest.raises(AttributeError, match="immutable"):
+        layer.kernel = jnp.zeros((6, 2))
+
+
+def test_build_returns_a_copy_and_the_original_stays_unbuilt():
+    model = mlp()
+    built = model.build(jax.random.key(0), X)
+    assert built.built and not model.built
+    assert model.layers[0].kernel is None
+    assert built.layers[0].kernel.shape == (6, 8)
+    with pytest.raises(RuntimeError, match="not built"):
+        model(X)
+
+
+def test_build_is_deterministic_and_keyed_by_path():
+    a = mlp().build(jax.random.key(0), X)
+    b = mlp().build(jax.random.key(0), X[:1])
+    c = mlp().build(jax.random.key(1), X)
+    np.testing.assert_array_equal(a.layers[1].kernel, b.layers[1].kernel)
+    assert not np.array_equal(a.layers[1].kernel, c.layers[1].kernel)
+    assert not np.array_equal(a.layers[1].kernel[:8], a.layers[0].kernel[:6].T[:8, :6].T[:8])
+
+
+def test_build_needs_a_key():
+    with pytest.raises(TypeError, match="jax.random.key"):
+        mlp().build(0, X)
+
+
+def test_pytree_round_trip_keeps_every_field():
+    model = Net(name="net").build(jax.random.key(0), X).quantize("int8", filter=lambda p, l: p.endswith("out"))
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    again = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert jax.tree_util.tree_structure(again) == treedef
+    assert again.__dict__.keys() == model.__dict__.keys()
+    assert again.blocks[0].out.dtype_policy == model.blocks[0].out.dtype_policy
+    np.testing.assert_array_equal(again(X), model(X))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(model)[0]]
+    assert ".blocks[0].out.kernel_scale" in paths
+
+
+def test_jit_equals_eager_and_retraces_only_on_policy_change():
+    model = Net(name="net").build(jax.random.key(0), X)
+    traces = []
+
+    @jax.jit
+    def f(m, x):
+        traces.append(1)
+        return m(x)
+
+    np.testing.assert_allclose(f(model, X), model(X), rtol=1e-5, atol=1e-6)
+    f(model, X + 1)
+    assert len(traces) == 1
+    f(jax.tree_util.tree_map(lambda a: a * 2 if a.dtype == jnp.float32 else a, model), X)
+    assert len(traces) == 1
+    f(model.with_dtype_policy("mixed_bfloat16"), X)
+    assert len(traces) == 2
+
+
+def test_optax_trains_a_model_directly():
+    import optax
+
+    model = mlp().build(jax.random.key(0), X)
+    opt = optax.sgd(0.1)
+    state = opt.init(model)
+    y = jnp.ones((3, 4))
+    loss = lambda m: jnp.mean((m(X) - y) ** 2)  # noqa: E731
+    before = loss(model)
+    for _ in range(20):
+        grads = jax.grad(loss)(model)
+        updates, state = opt.update(grads, state)
+        model = optax.apply_updates(model, updates)
+    assert float(loss(model)) < 0.5 * float(before)
+
+
+def test_map_applied_by_exact_and_regex_keys_without_mutating_the_original():
+    model = Net(name="net").build(jax.random.key(0), X)
+    policy_map = ap.DTypePolicyMap(
+        "float32",
+        {"net/logits": "mixed_float16", "net/block_1/mlp/dense_[0-9]": "mixed_bfloat16"},
+    )
+    mapped = model.with_dtype_policy(policy_map)
+    by_path = {p: layer.dtype_policy.name for p, layer in mapped.layers_by_path().items()}
+    assert by_path["net/logits"] == "mixed_float16"
+    assert by_path["net/block_1/mlp/dense_1"] == "mixed_bfloat16"
+    assert by_path["net/block_1/mlp/dense"] == "float32"  # full match, not prefix
+    assert by_path["net/block/mlp/dense_1"] == "float32"
+    assert all(layer.dtype_policy.name == "float32" for layer in model.layers_by_path().values())
+    assert mapped(X).dtype == jnp.float16
+    assert model(X).dtype == jnp.float32
+
+
+def test_strict_map_raises_on_keys_matching_no_layer():
+    model = mlp().build(jax.random.key(0), X)
+    typo = ap.DTypePolicyMap("float32", {"mlp/dnese": "bfloat16", "mlp/dense": "bfloat16"})
+    with pytest.raises(ValueError, match="mlp/dnese"):
+        model.with_dtype_policy(typo, strict=True)
+    assert model.with_dtype_policy(typo).layers[0].dtype_policy.name == "bfloat16"
+
+
+def test_with_dtype_policy_casts_stored_variables():
+    model = mlp().build(jax.random.key(0), X)
+    half = model.with_dtype_policy("bfloat16")
+    assert half.layers[0].kernel.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(half.layers[0].kernel, np.float32), np.asarray(model.layers[0].kernel), rtol=1e-2
+    )
+    mixed = model.with_dtype_policy("mixed_bfloat16")
+    assert mixed.layers[0].kernel.dtype == jnp.float32
+
+
+def test_dtype_map_at_construction_resolves_by_path():
+    policy_map = ap.DTypePolicyMap("float32", {"mlp/dense_1": "mixed_bfloat16"})
+    model = mlp(dtype=policy_map).build(jax.random.key(0), X)
+    assert [layer.dtype_policy.name for layer in model] == ["float32", "mixed_bfloat16", "float32"]
+
+
+def test_container_dtype_is_handed_to_children_without_one():
+    model = nn.Sequential([nn.Dense(2), nn.Dense(2, dtype="float16")], dtype="mixed_bfloat16")
+    assert [layer.dtype_policy.name for layer in model] == ["mixed_bfloat16", "float16"]
+
+
+def test_none_dtype_means_the_global_policy_at_construction():
+    with ap.policy_scope("mixed_bfloat16"):
+        layer = nn.Dense(2)
+    assert layer.dtype_policy.name == "mixed_bfloat16"
+    assert nn.Dense(2).dtype_policy.name == "float32"
+
+
+def test_quantized_policy_on_a_layer_without_a_kernel_reads_as_its_source(caplog):
+    model = nn.Sequential([nn.Dense(4), nn.LayerNormalization()], name="m").build(jax.random.key(0), X)
+    with caplog.at_level(logging.INFO, logger="autopolicy.nn"):
+        q = model.with_dtype_policy("int8_from_float32")
+    assert q.layers[0].dtype_policy.name == "int8_from_float32"
+    assert q.layers[1].dtype_policy.name == "float32"
+    assert "m/layer_normalization" in caplog.text
+
+
+def test_infer_policy_is_deprecated_and_takes_the_first_input_dtype():
+    with pytest.warns(DeprecationWarning, match="infer"):
+        layer = nn.Dense(2, dtype="infer")
+    with pytest.raises(RuntimeError, match="infer"):
+        layer.dtype_policy
+    built = layer.build(jax.random.key(0), jnp.ones((1, 3), jnp.bfloat16))
+    assert built.dtype_policy.name == "bfloat16"
+    assert built.kernel.dtype == jnp.bfloat16
+
+
+def test_regularization_loss_uses_the_stored_weights():
+    layer = nn.Dense(3, kernel_regularizer=nn.regularizers.L2(0.5), dtype="mixed_bfloat16")
+    layer = layer.build(jax.random.key(0), X)
+    expected = 0.5 * float(jnp.sum(layer.kernel.astype(jnp.float32) ** 2))
+    assert layer.kernel.dtype == jnp.float32
+    np.testing.assert_allclose(float(layer.regularization_loss()), expected, rtol=1e-6)
+    model = nn.Sequential([layer, nn.Dense(2, kernel_regularizer=nn.regularizers.L1(1.0))])
+    model = model.build(jax.random.key(0), X)
+    assert float(model.regularization_loss()) > 0
+
+
+def test_dropout_needs_randomness_only_while_training():
+    model = nn.Sequential([nn.Dense(16), nn.Dropout(0.5)]).build(jax.random.key(0), X)
+    np.testing.assert_array_equal(model(X), model(X, training=False))
+    with pytest.raises(RuntimeError, match="rng_scope"):
+        model(X, training=True)
+    with nn.rng_scope(jax.random.key(0)):
+        a = model(X, training=True)
+    with nn.rng_scope(jax.random.key(0)):
+        b = model(X, training=True)
+    np.testing.assert_array_equal(a, b)
+    assert 0.2 < float(jnp.mean(a == 0)) < 0.8
+
+
+@pytest.mark.parametrize(
+    "make,text",
+    [
+        (lambda: nn.Dense(0), "units=0"),
+        (lambda: nn.Dense(2, activation="reluu"), "reluu"),
+        (lambda: nn.Dense(2, kernel_initializer="glorot"), "glorot"),
+        (lambda: nn.Dense(2, dtype="mixed_float15"), "mixed_float15"),
+        (lambda: nn.Conv2D(2, 3, padding="full"), "full"),
+        (lambda: nn.Conv2D(2, (3, 0)), "kernel_size"),
+        (lambda: nn.Dropout(1.0), "rate=1.0"),
+        (lambda: nn.EinsumDense("ab->b", 3), "ab->b"),
+        (lambda: nn.EinsumDense("ab,bc->ac", 3, bias_axes="z"), "bias_axes='z'"),
+        (lambda: nn.MultiHeadAttention(0, 4), "num_heads=0"),
+        (lambda: nn.Embedding(10, 0), "output_dim=0"),
+        (lambda: nn.LayerNormalization(epsilon=-1), "epsilon=-1"),
+        (lambda: nn.Sequential([nn.Dense(2), "relu"]), "relu"),
+    ],
+)
+def test_bad_constructor_arguments_raise_early(make, text):
+    with pytest.raises((ValueError, TypeError)) as info:
+        make()
+    assert text in str(info.value)
+
+
+def test_unhashable_static_attributes_are_refused():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = {"a": 1}
+
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="hashable"):
+        Bad()
+
+
+def test_a_subclass_must_call_super_init():
+    class Forgot(nn.Module):
+        def __init__(self):
+            pass
+
+    with pytest.raises(TypeError, match="super"):
+        Forgot()
+
+
+def test_summary_lists_every_leaf():
+    text = mlp().build(jax.random.key(0), X).summary()
+    assert "mlp/dense_2" in text and "float32" in text
+    assert text.splitlines()[-1].split()[1] == str(6 * 8 + 8 + 8 * 8 + 8 + 8 * 4 + 4)
