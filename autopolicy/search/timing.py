@@ -1,0 +1,143 @@
+"""Latency measurement on the target: jitted, warmed up, amortized, interleaved, medians.
+
+Each candidate runs ``inner`` times inside one compiled loop, so dispatch overhead is paid once
+per timed call. Every iteration perturbs its input by ``eps * carry`` where ``eps`` is a
+runtime zero, and passes its output through an optimization barrier into the carry: XLA can
+neither hoist the work out of the loop nor drop it. Candidates are timed round-robin in a fresh
+random order each round, so drift (thermal, other processes) hits them alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Timing", "Candidate", "compile_loop", "measure"]
+
+TARGET_CALL_SECONDS = 2e-3  # each timed call runs at least this long (amortizes dispatch)
+MAX_INNER = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds per call of one candidate: median, quartiles, coefficient of variation."""
+
+    median: float
+    p25: float
+    p75: float
+    cv: float
+    repeats: int
+    inner: int
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        return {f"{prefix}{k}": v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass
+class Candidate:
+    """``fn(state, *inputs)`` to time (``fn(*inputs)`` when ``state`` is None).
+
+    Both are jit arguments, so weights in ``state`` stay runtime values, never compile-time
+    constants. The loop perturbs ``inputs`` (never ``state``) from one iteration to the next.
+    """
+
+    fn: Callable[..., Any]
+    inputs: tuple
+    state: Any = None
+
+    def call(self, state: Any, inputs: tuple) -> Any:
+        return self.fn(*inputs) if self.state is None else self.fn(state, *inputs)
+
+
+def _perturb(args: tuple, carry: jax.Array, eps: jax.Array) -> tuple:
+    """Adds ``eps * carry`` (a runtime zero) to one element of the first numeric input."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    for i, leaf in enumerate(leaves):
+        numeric = jnp.issubdtype(leaf.dtype, jnp.number) if isinstance(leaf, jax.Array) else False
+        if numeric and leaf.size:
+            flat = leaf.reshape(-1)
+            flat = flat.at[0].add((eps * carry).astype(leaf.dtype))
+            leaves[i] = flat.reshape(leaf.shape)
+            break
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def compile_loop(candidate: Candidate, inner: int) -> Callable[[], None]:
+    """Compiles ``inner`` dependent calls of the candidate and returns a blocking runner."""
+
+    def loop(state, inputs, eps):
+        def body(_, carry):
+            out = candidate.call(state, _perturb(inputs, carry, eps))
+            # The barrier keeps ``out`` alive; only its first element feeds the carry.
+            carry, out = jax.lax.optimization_barrier((carry, out))
+            first = jax.tree_util.tree_leaves(out)[0]
+            return carry + first.reshape(-1)[0].astype(jnp.float32) * eps
+
+        return jax.lax.fori_loop(0, inner, body, jnp.zeros((), jnp.float32))
+
+    state, inputs = candidate.state, tuple(jnp.asarray(x) for x in candidate.inputs)
+    compiled = jax.jit(loop).lower(state, inputs, jnp.float32(0.0)).compile()
+    eps = jnp.float32(0.0)
+
+    def run() -> None:
+        compiled(state, inputs, eps).block_until_ready()
+
+    return run
+
+
+def _time_once(run: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def measure(
+    candidates: Mapping[str, Candidate],
+    repeats: int = 15,
+    warmup: int = 2,
+    target_seconds: float = TARGET_CALL_SECONDS,
+    seed: int = 0,
+) -> dict[str, Timing]:
+    """Times every candidate, interleaved, and returns seconds per call.
+
+    Args:
+      candidates: ``{name: Candidate(fn, inputs, state)}``.
+      repeats: Timed rounds (each times every candidate once).
+      warmup: Untimed rounds after compilation.
+      target_seconds: Each timed call runs ``inner`` iterations to last at least this long.
+      seed: Seeds the order of candidates in each round.
+    """
+    if repeats < 3:
+        raise ValueError(f"repeats must be >= 3 for a median and quartiles. Received: repeats={repeats}")
+    runners = {}
+    for name, cand in candidates.items():
+        single = compile_loop(cand, 1)
+        single()
+        estimate = min(_time_once(single) for _ in range(3))
+        inner = int(min(MAX_INNER, max(1, math.ceil(target_seconds / max(estimate, 1e-7)))))
+        runners[name] = (compile_loop(cand, inner) if inner > 1 else single, inner)
+    names = list(runners)
+    rng = np.random.default_rng(seed)
+    for _ in range(warmup):
+        for name in names:
+            runners[name][0]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for i in rng.permutation(len(names)):
+            run, inner = runners[names[i]]
+            samples[names[i]].append(_time_once(run) / inner)
+    out = {}
+    for name, values in samples.items():
+        arr = np.asarray(values)
+        median = float(np.median(arr))
+        q25, q75 = np.percentile(arr, [25, 75])
+        # A robust coefficient of variation: scaled inter-quartile range over the median.
+        cv = float((q75 - q25) / 1.349 / median) if median > 0 else float("nan")
+        out[name] = Timing(median, float(q25), float(q75), cv, repeats, runners[name][1])
+    return out
