@@ -18,6 +18,9 @@ from autopolicy.nn.dense import Dense, EinsumDense
 from autopolicy.nn.embedding import Embedding
 from autopolicy.nn.normalization import LayerNormalization
 from autopolicy.nn.sequential import Sequential
+from autopolicy.nn.calibration import calibrate
+from autopolicy.nn.serialization import load, register_serializable, save
+from autopolicy.nn._partition import combine, leaf_kinds, partition
 
 __all__ = [
     "Module",
@@ -38,6 +41,13 @@ __all__ = [
     "DotProductAttention",
     "MultiHeadAttention",
     "Sequential",
+    "calibrate",
+    "save",
+    "load",
+    "register_serializable",
+    "partition",
+    "combine",
+    "leaf_kinds",
     "activations",
     "initializers",
     "regularizers",

@@ -38,12 +38,26 @@ def path_key(key: jax.Array, path: str) -> jax.Array:
 # --- building ---------------------------------------------------------------------------------
 
 
-def building(key: jax.Array):
-    return _setting("build_key", key)
+class BuildState:
+    """Collects the weights layers ask for while a model is being built.
+
+    The build pass runs traced (shapes only); weights are zero placeholders whose real values
+    are drawn afterwards, outside the trace, from these requests.
+    """
+
+    __slots__ = ("key", "requests")
+
+    def __init__(self, key: jax.Array):
+        self.key = key
+        self.requests: list[tuple[Any, dict]] = []
 
 
-def build_key() -> jax.Array | None:
-    return _get("build_key")
+def building(state: BuildState):
+    return _setting("build_state", state)
+
+
+def build_state() -> BuildState | None:
+    return _get("build_state")
 
 
 # --- the call stack (training flag inheritance, call order) ------------------------------------
@@ -117,6 +131,10 @@ def rng_scope(key: jax.Array) -> Iterator[None]:
     """
     with _setting("rng", _RngState(key)):
         yield
+
+
+def rng_active() -> bool:
+    return _get("rng") is not None
 
 
 def next_rng_key(path: str) -> jax.Array | None:

@@ -9,6 +9,7 @@ inside a list, after its class (``dense``, ``dense_1``, ...).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopolicy import policies
-from autopolicy.nn import _context
+from autopolicy.nn import _config, _context
 from autopolicy.nn._frozen_map import FrozenPolicyMap
 from autopolicy.policies import DTypePolicy, DTypePolicyMap
 
@@ -76,6 +77,8 @@ class _ModuleMeta(type):
             raise TypeError(
                 f"{cls.__name__}.__init__ must call super().__init__(name=..., dtype=...) first."
             )
+        # How it was made, for save/load (None when an argument has no JSON form).
+        object.__setattr__(obj, "_config", _config.encode_call(cls, args, kwargs))
         obj._adopt_children()
         obj._freeze()
         return obj
@@ -202,6 +205,8 @@ class Module(metaclass=_ModuleMeta):
         super().__init_subclass__(**kwargs)
         jax.tree_util.register_pytree_with_keys(cls, _flatten_with_keys, _unflatten(cls), _flatten)
         cls._call_takes_training = "training" in inspect.signature(cls.call).parameters
+        if cls.__module__.startswith("autopolicy."):
+            _config.register(cls)
 
     # --- children, names and paths -------------------------------------------------------------
 
@@ -239,7 +244,7 @@ class Module(metaclass=_ModuleMeta):
                 f"Names of the children of {self.path!r} must be unique. Duplicated: {duplicates}"
             )
         used = set(explicit)
-        mutable = not self.__dict__.get("_frozen", True) and _context.build_key() is not None
+        mutable = not self.__dict__.get("_frozen", True) and _context.build_state() is not None
         renamed: dict[int, Module] = {}
         for attr, single, child in items:
             if id(child) in renamed or id(child) in adopted:
@@ -490,14 +495,46 @@ class Module(metaclass=_ModuleMeta):
           RuntimeError: if some layers were never called by the model.
         """
         _check_key(key)
-        work = _mutable_tree(self)
-        with _context.building(key):
-            work(*sample_args, **sample_kwargs)
-        _freeze_tree(work)
-        unbuilt = [p for p, m in work.modules().items() if not m._own_built]
-        if unbuilt:
-            raise RuntimeError(f"These layers were never called while building, so have no weights: {unbuilt}")
-        return work
+        spec = _input_spec(sample_args, sample_kwargs)
+        own_leaves, own_treedef = jax.tree_util.tree_flatten(self)
+        input_leaves, input_treedef = jax.tree_util.tree_flatten((sample_args, sample_kwargs))
+        traced = [i for i, leaf in enumerate(input_leaves) if _is_array(leaf)]
+        state = _context.BuildState(key)
+        result: dict[str, Any] = {}
+
+        # The pass that discovers shapes runs traced, with zero placeholders for new weights:
+        # it compiles to little more than the placeholders. Weights are drawn afterwards.
+        def build_pass(own, arrays):
+            inputs = list(input_leaves)
+            for i, value in zip(traced, arrays):
+                inputs[i] = value
+            args, kwargs = jax.tree_util.tree_unflatten(input_treedef, inputs)
+            work = _mutable_tree(jax.tree_util.tree_unflatten(own_treedef, own))
+            with _context.building(state):
+                work(*args, **kwargs)
+            object.__setattr__(work, "_build_spec", spec)
+            _freeze_tree(work)
+            result["unbuilt"] = [p for p, m in work.modules().items() if not m._own_built]
+            leaves, result["treedef"] = jax.tree_util.tree_flatten(work)
+            placeholders = {id(p): i for i, (p, _) in enumerate(state.requests)}
+            result["requests"] = [(j, placeholders[id(x)]) for j, x in enumerate(leaves) if id(x) in placeholders]
+            return leaves
+
+        leaves = list(jax.jit(build_pass)(own_leaves, [input_leaves[i] for i in traced]))
+        if result["unbuilt"]:
+            raise RuntimeError(
+                f"These layers were never called while building, so have no weights: {result['unbuilt']}"
+            )
+        from autopolicy.nn import initializers  # pylint: disable=import-outside-toplevel
+
+        for leaf_index, request_index in result["requests"]:
+            leaves[leaf_index] = initializers.draw(key, **state.requests[request_index][1])
+        built = jax.tree_util.tree_unflatten(result["treedef"], leaves)
+        return _map_modules(built, lambda m: m._finish_build())
+
+    def _finish_build(self) -> "Module | None":
+        """Value-dependent conversions once weights are real (quantizing); None if nothing."""
+        return None
 
     def build_variables(self, *args: Any, **kwargs: Any) -> None:
         """Creates the weights from the first (autocast) inputs. Leaf layers override this."""
@@ -525,22 +562,22 @@ class Module(metaclass=_ModuleMeta):
           regularizer: A regularizer applied to the stored value (``nn.regularizers.L2(1e-4)``).
           fan_axes: ``(in_axis, out_axis)`` for variance-scaling initializers.
         """
-        from autopolicy.nn import initializers  # pylint: disable=import-outside-toplevel
-
-        key = _context.build_key()
-        if key is None:
+        state = _context.build_state()
+        if state is None:
             raise RuntimeError("add_weight() is only available while the model is being built.")
-        init = initializers.get(initializer, *fan_axes)
         dtype = jnp.dtype(dtype or self.variable_dtype)
-        value = init(_context.path_key(key, f"{self.path}/{name}"), tuple(shape), dtype)
-        setattr(self, name, jnp.asarray(value, dtype))
+        placeholder = jnp.zeros(tuple(shape), dtype)
+        request = {"path": f"{self.path}/{name}", "shape": tuple(shape), "dtype": dtype,
+                   "initializer": initializer, "fan_axes": fan_axes}
+        state.requests.append((placeholder, request))
+        setattr(self, name, placeholder)
         if not trainable:
             self._nontrainable = self._nontrainable + (name,)
         if not autocast:
             self._no_autocast = self._no_autocast + (name,)
         if regularizer is not None:
             self._regularizers = self._regularizers + ((name, regularizer),)
-        return getattr(self, name)
+        return placeholder
 
     def _after_build(self) -> None:
         """Hook run on the mutable copy once ``build_variables`` returned (quantize, adopt)."""
@@ -552,6 +589,8 @@ class Module(metaclass=_ModuleMeta):
         raise NotImplementedError(f"{type(self).__name__} must implement call()")
 
     def __call__(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
+        if _compiles_top_level_call(self, args, kwargs):
+            return _jit_call(self, args, kwargs, training=bool(training))
         if training is None:
             training = _context.inherited_training()
         parent = _context.caller()
@@ -571,7 +610,7 @@ class Module(metaclass=_ModuleMeta):
             return view.call(*args, **kwargs)
 
     def _build_now(self, args: tuple, kwargs: dict) -> None:
-        if self.__dict__.get("_frozen", True) or _context.build_key() is None:
+        if self.__dict__.get("_frozen", True) or _context.build_state() is None:
             raise RuntimeError(
                 f"{type(self).__name__} {self.path!r} is not built: call "
                 "model = model.build(jax.random.key(0), sample_input) first."
@@ -665,6 +704,24 @@ class Module(metaclass=_ModuleMeta):
 Layer = Module
 
 
+def _compiles_top_level_call(module: Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call from plain Python (not inside a model, a trace, a build, a call hook or an
+    rng scope) should run compiled as a whole instead of op by op."""
+    if not module.__dict__.get("_frozen", False) or not module._own_built:
+        return False
+    if _context.caller() is not None or _context.build_state() is not None or _context.hooks():
+        return False
+    if _context.rng_active():
+        return False
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    return bool(leaves) and all(_is_array(x) and not isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+@functools.partial(jax.jit, static_argnames=("training",))
+def _jit_call(module: Module, args: tuple, kwargs: dict, training: bool) -> Any:
+    return module(*args, training=training, **kwargs)
+
+
 def _policy_source(dtype: Any) -> Any:
     if isinstance(dtype, str) and dtype == _INFER:
         import warnings  # pylint: disable=import-outside-toplevel
@@ -689,6 +746,26 @@ def _infer_policy(module: Module, args: tuple, kwargs: dict) -> DTypePolicy:
     raise ValueError(f"{module.path!r} uses the 'infer' policy but got no floating-point input.")
 
 
+def _input_spec(args: tuple, kwargs: dict) -> str:
+    """A JSON description of the build inputs (shapes and dtypes), to rebuild a saved model."""
+    import json  # pylint: disable=import-outside-toplevel
+
+    def describe(x):
+        if _is_array(x):
+            return {"shape": list(np.shape(x)), "dtype": jnp.dtype(x.dtype).name}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return {"value": x}
+        raise TypeError(f"build() inputs must be arrays, numbers or None. Received {type(x).__name__}")
+
+    try:
+        return json.dumps({
+            "args": [jax.tree_util.tree_map(describe, a) for a in args],
+            "kwargs": {k: jax.tree_util.tree_map(describe, v) for k, v in kwargs.items()},
+        })
+    except TypeError:
+        return ""
+
+
 def _check_key(key: Any) -> None:
     ok = isinstance(key, jax.Array) and (
         jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -711,6 +788,21 @@ def _mutable_tree(module: Module) -> Module:
         if isinstance(value, Module) or (_is_dynamic(value) and not _is_array(value)):
             object.__setattr__(new, key, jax.tree_util.tree_map(copy, value, is_leaf=is_module))
     return new
+
+
+def _map_modules(module: Module, fn: Callable[[Module], Module | None]) -> Module:
+    """Rebuilds the tree bottom-up, replacing each module by ``fn(copy)`` when not None."""
+    new = module._copy(mutable=True)
+
+    def visit(x):
+        return _map_modules(x, fn) if isinstance(x, Module) else x
+
+    for key, value in list(new._attrs()):
+        if isinstance(value, Module) or (_is_dynamic(value) and not _is_array(value)):
+            object.__setattr__(new, key, jax.tree_util.tree_map(visit, value, is_leaf=is_module))
+    new._freeze()
+    replaced = fn(new)
+    return new if replaced is None else replaced
 
 
 def _freeze_tree(module: Module) -> None:

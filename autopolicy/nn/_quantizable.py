@@ -35,11 +35,14 @@ class QuantizableKernel(Module):
 
     # --- conversions ------------------------------------------------------------------------
 
-    def _after_build(self) -> None:
-        super()._after_build()
+    def _finish_build(self) -> Module | None:
         mode = self.dtype_policy.quantization_mode
-        if mode is not None:
-            self._quantize_weights(mode)
+        if mode is None or mode == self._weights_mode:
+            return None
+        new = self._copy(mutable=True)
+        new._quantize_weights(mode)
+        new._freeze()
+        return new
 
     def _quantize_weights(self, mode: str) -> None:
         """Converts this mutable copy's float kernel to ``mode``'s form."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["get", "NAMES"]
+__all__ = ["get", "draw", "NAMES"]
 
 Initializer = Callable[[jax.Array, tuple, Any], jax.Array]
 
@@ -86,3 +88,71 @@ def check(identifier: Any, argument: str) -> Any:
     except ValueError as e:
         raise ValueError(f"Invalid {argument}: {e}") from None
     return identifier
+
+
+# --- drawing weights at build time, in NumPy -----------------------------------------------------
+# Building draws every weight of a model outside of XLA: compiling a random-number generator per
+# weight costs seconds on a CPU, drawing in NumPy costs microseconds. The stream of each weight is
+# seeded by the build key and the weight's path, so it does not depend on the order of layers.
+
+
+def _axes(axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    return tuple(a % ndim for a in axes)
+
+
+def _fans(shape: tuple[int, ...], in_axis: Any, out_axis: Any) -> tuple[float, float]:
+    if len(shape) < 2:
+        size = float(np.prod(shape)) if shape else 1.0
+        return size, size
+    ins, outs = _axes(in_axis, len(shape)), _axes(out_axis, len(shape))
+    receptive = float(np.prod([d for i, d in enumerate(shape) if i not in ins + outs]))
+    return float(np.prod([shape[i] for i in ins])) * receptive, float(np.prod([shape[i] for i in outs])) * receptive
+
+
+def _truncated_normal(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    out = rng.standard_normal(shape)
+    bad = np.abs(out) > 2.0
+    while bad.any():
+        out[bad] = rng.standard_normal(int(bad.sum()))
+        bad = np.abs(out) > 2.0
+    return out
+
+
+def _numpy_draw(name: str, rng: np.random.Generator, shape: tuple[int, ...], in_axis, out_axis) -> np.ndarray:
+    if name in ("zeros", "ones"):
+        return np.full(shape, 0.0 if name == "zeros" else 1.0)
+    if name in ("random_normal", "normal"):
+        return 0.05 * rng.standard_normal(shape)
+    if name in ("random_uniform", "uniform"):
+        return rng.uniform(-0.05, 0.05, shape)
+    scale, mode, distribution = _VARIANCE_SCALING[name]
+    fan_in, fan_out = _fans(shape, in_axis, out_axis)
+    n = {"fan_in": fan_in, "fan_out": fan_out, "fan_avg": (fan_in + fan_out) / 2}[mode]
+    variance = scale / max(n, 1.0)
+    if distribution == "uniform":
+        limit = np.sqrt(3.0 * variance)
+        return rng.uniform(-limit, limit, shape)
+    # A normal truncated at two standard deviations has a smaller spread; this constant (the
+    # standard deviation of the standard normal truncated to [-2, 2]) corrects it.
+    return np.sqrt(variance) / 0.87962566103423978 * _truncated_normal(rng, shape)
+
+
+def draw(
+    key: jax.Array,
+    path: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    initializer: Any,
+    fan_axes: tuple[Any, Any] = (-2, -1),
+) -> jax.Array:
+    """The initial value of the weight at ``path`` for the build key ``key``."""
+    if callable(initializer):
+        from autopolicy.nn import _context  # pylint: disable=import-outside-toplevel
+
+        return jnp.asarray(initializer(_context.path_key(key, path), shape, dtype), dtype)
+    get(initializer)  # validates the name
+    words = np.asarray(jax.random.key_data(key)).astype(np.uint64).ravel().tolist()
+    rng = np.random.default_rng(words + [zlib.crc32(path.encode("utf-8"))])
+    values = _numpy_draw(initializer, rng, tuple(shape), *fan_axes).astype(np.float32)
+    return jnp.asarray(values).astype(dtype)

@@ -70,12 +70,14 @@ class Float8Meta:
         """Records ``amax`` and returns the meta holding the scale for the next step."""
         amax = jnp.asarray(amax, jnp.float32)
         # A non-finite amax (an overflowed step) is recorded as 0 so it cannot poison the
-        # history for its whole length; the scale then stays where it was.
-        amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
+        # history for its whole length; the scale then stays where it was (not recomputed from
+        # the shorter history, which could lower it right after an overflow).
+        finite = jnp.isfinite(amax)
+        amax = jnp.where(finite, amax, 0.0)
         history = jnp.roll(self.amax_history, 1).at[0].set(amax)
         top = jnp.max(history)
         new_scale = top * (2.0**margin) / fp8_max
-        ok = (top > 0) & jnp.isfinite(new_scale) & (new_scale > 0)
+        ok = finite & (top > 0) & jnp.isfinite(new_scale) & (new_scale > 0)
         return replace(self, amax_history=history, scale=jnp.where(ok, new_scale, self.scale))
 
 

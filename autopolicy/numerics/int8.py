@@ -141,7 +141,8 @@ def _u8_matmul_path(equation, x, kernel_q, kernel_scale):
         x_u8 = jnp.concatenate([x_u8, x_u8])
     k2 = kernel_q.reshape((k, n))
     acc = _u8s8_dot.u8s8_matmul(x_u8, k2)[:rows] - 128 * jnp.sum(k2, axis=0, dtype=jnp.int32)
-    y = acc.astype(jnp.float32) * x_scale * kernel_scale.astype(jnp.float32).reshape((1, n))
+    # Scales first, then the accumulator: the same rounding as the generic path, bit for bit.
+    y = acc.astype(jnp.float32) * (x_scale * kernel_scale.astype(jnp.float32).reshape((1, n)))
     return y.reshape(free_shape + out_shape)
 
 

@@ -93,6 +93,11 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
         initial_scale: float = 2.0**15,
         dynamic_growth_steps: int = 2000,
     ):
+        steps = dynamic_growth_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(
+                f"dynamic_growth_steps must be an int >= 1. Received: dynamic_growth_steps={steps!r}"
+            )
         wrapped = loss_scale_optimizer(
             inner_optimizer,
             DynamicLossScale(initial_scale=initial_scale, growth_interval=dynamic_growth_steps),

@@ -23,7 +23,7 @@ from autopolicy.numerics.loss_scale import (
     all_finite,
     select_tree,
 )
-from autopolicy.numerics.optimizer import loss_scale_optimizer
+from autopolicy.numerics.optimizer import find_loss_scale_state, loss_scale_optimizer
 from autopolicy.train import losses as losses_lib
 from autopolicy.train import metrics as metrics_lib
 
@@ -67,7 +67,8 @@ def resolve_loss_scale(model: Module, loss_scale: Any = "auto"):
         return NoOpLossScale()
     if isinstance(loss_scale, str) and loss_scale == "dynamic":
         return DynamicLossScale()
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+    number = isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
+    if number and math.isfinite(loss_scale) and loss_scale > 0:
         return StaticLossScale(loss_scale)
     if not (isinstance(loss_scale, str) and loss_scale == "auto"):
         raise ValueError(
@@ -134,12 +135,15 @@ def _make_step(loss_fn, optimizer: optax.GradientTransformation, scaled: bool):
             with _context.rng_scope(key):
                 predictions = model(x, training=True)
             value = loss_fn(y, predictions) + model.regularization_loss()
-            scaled_value = opt_state.loss_scale.scale(value) if scaled else value
+            scaled_value = find_loss_scale_state(opt_state).loss_scale.scale(value) if scaled else value
             return scaled_value, value
 
         (grads, fp8_grads), value = jax.grad(objective, argnums=(0, 1), has_aux=True)(params, fp8)
         finite = all_finite(grads)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        # optax's own arithmetic (e.g. Adam's bias correction) relies on standard promotion;
+        # keep it working when a user (or a test harness) turns on strict promotion.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if scaled:  # a skipped step leaves the parameters bit-identical
             new_params = select_tree(finite, new_params, params)
@@ -168,7 +172,7 @@ def fit(
     Args:
       model: A built model.
       optimizer: Any optax transformation. Loss scaling wraps it when needed (see
-        :func:`resolve_loss_scale`).
+        :func:`resolve_loss_scale`); one that already scales (``LossScaleOptimizer``) is kept.
       loss: A loss name (``"sparse_categorical_crossentropy"``) or ``fn(targets, predictions)``.
       train_data: ``(x, y)`` NumPy/JAX arrays, or an iterable of ``(x, y)`` batches (iterated
         once per epoch).
@@ -192,12 +196,20 @@ def fit(
     loss_fn = losses_lib.get(loss)
     metric_fns = [(m if isinstance(m, str) else getattr(m, "__name__", "metric"), metrics_lib.get(m)) for m in metrics]
     scale = resolve_loss_scale(model, loss_scale)
-    scaled = not isinstance(scale, NoOpLossScale)
-    if scaled:
-        optimizer = loss_scale_optimizer(optimizer, scale)
     params, rest = partition(model, "param")
     fp8, rest = partition(rest, "fp8")
     opt_state = optimizer.init(params)
+    # An optimizer that already scales (LossScaleOptimizer) is used as it is: wrapping it again
+    # would unscale its gradients twice.
+    scaled = find_loss_scale_state(opt_state) is not None
+    if scaled and not (isinstance(loss_scale, str) and loss_scale == "auto"):
+        raise ValueError(
+            "The optimizer already applies a loss scale; leave loss_scale='auto'. "
+            f"Received: loss_scale={loss_scale!r}"
+        )
+    if not scaled and not isinstance(scale, NoOpLossScale):
+        optimizer = loss_scale_optimizer(optimizer, scale)
+        opt_state, scaled = optimizer.init(params), True
     step = _make_step(loss_fn, optimizer, scaled)
     rng = np.random.default_rng(seed)
     base_key = jax.random.key(seed)
@@ -222,7 +234,7 @@ def fit(
             record: dict[str, float] = {"loss": total / count if count else float("nan"), "skipped_steps": skipped}
             history.skipped_steps += skipped
             if scaled:
-                record["loss_scale"] = float(opt_state.loss_scale.loss_scale)
+                record["loss_scale"] = float(find_loss_scale_state(opt_state).loss_scale.loss_scale)
                 history.loss_scale = record["loss_scale"]
             if validation_data is not None:
                 current = combine(params, fp8, rest)
