@@ -4,7 +4,7 @@ and a search that picks the fastest ones that keep accuracy within budget.
 Importing ``autopolicy`` does not import pandas or matplotlib (reports and the CLI do).
 """
 
-from autopolicy import dtype_policies, mixed_precision, numerics, policies
+from autopolicy import datasets, dtype_policies, mixed_precision, nn, numerics, policies, search, train
 from autopolicy.numerics import (
     DynamicLossScale,
     LossScaleOptimizer,
@@ -39,6 +39,10 @@ __all__ = [
     "dtype_policies",
     "mixed_precision",
     "numerics",
+    "nn",
+    "train",
+    "search",
+    "datasets",
     # policies
     "DTypePolicy",
     "FloatDTypePolicy",

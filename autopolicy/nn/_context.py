@@ -144,7 +144,9 @@ def next_rng_key(path: str) -> jax.Array | None:
 
 # --- call hooks (the search records each layer's inputs) ---------------------------------------
 
-Hook = Callable[[Any, tuple, dict], None]
+# A hook sees (layer, args, kwargs) before the layer runs; it may return a callback that then
+# receives the layer's output.
+Hook = Callable[[Any, tuple, dict], Any]
 
 
 @contextlib.contextmanager

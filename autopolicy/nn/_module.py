@@ -601,13 +601,16 @@ class Module(metaclass=_ModuleMeta):
             self._build_now(args, kwargs)
         self._check_x64()
         args, kwargs = self._autocast_inputs(args, kwargs)
-        for hook in _context.hooks():
-            hook(self, args, kwargs)
+        callbacks = [hook(self, args, kwargs) for hook in _context.hooks()]
         view = self._compute_view()
         if self._call_takes_training:
             kwargs["training"] = training
         with _context.frame(self, training):
-            return view.call(*args, **kwargs)
+            out = view.call(*args, **kwargs)
+        for callback in callbacks:
+            if callback is not None:
+                callback(out)
+        return out
 
     def _build_now(self, args: tuple, kwargs: dict) -> None:
         if self.__dict__.get("_frozen", True) or _context.build_state() is None:

@@ -53,6 +53,9 @@ class QuantizableKernel(Module):
             object.__setattr__(self, "kernel", kernel_q)
             object.__setattr__(self, "kernel_scale", scale)
             self._nontrainable = tuple(sorted(set(self._nontrainable) | {"kernel", "kernel_scale"}))
+            # The rescale runs in float32; reading the scale in a 16-bit compute dtype would
+            # round it (bfloat16: up to 0.4% per output channel) before it is used.
+            self._no_autocast = tuple(sorted(set(self._no_autocast) | {"kernel_scale"}))
         else:
             length = self.dtype_policy.amax_history_length
             kernel_amax = jnp.max(jnp.abs(self.kernel.astype(jnp.float32)))

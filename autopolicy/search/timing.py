@@ -81,7 +81,10 @@ def compile_loop(candidate: Candidate, inner: int) -> Callable[[], None]:
 
         return jax.lax.fori_loop(0, inner, body, jnp.zeros((), jnp.float32))
 
-    state, inputs = candidate.state, tuple(jnp.asarray(x) for x in candidate.inputs)
+    state = candidate.state
+    inputs = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(x) if isinstance(x, (jax.Array, np.ndarray)) else x, tuple(candidate.inputs)
+    )
     compiled = jax.jit(loop).lower(state, inputs, jnp.float32(0.0)).compile()
     eps = jnp.float32(0.0)
 

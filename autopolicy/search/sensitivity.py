@@ -1,0 +1,88 @@
+"""Accuracy cost of each layer under each policy, with the rest of the model in float32.
+
+For a candidate, the model with only that layer switched is scored with the user's ``eval_fn``;
+its outputs on the calibration inputs are compared with the float32 outputs (signal-to-
+quantization-noise ratio, and KL divergence of the softmax of the last axis, for logits). A
+candidate whose outputs contain inf or NaN, or whose metric is not finite, is disqualified.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["fidelity", "check_metric", "Scorer"]
+
+
+def _floating_leaves(tree: Any) -> list[np.ndarray]:
+    return [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+
+
+def fidelity(reference: Sequence[Any], outputs: Sequence[Any]) -> dict[str, float | bool]:
+    """SQNR (dB) and mean KL divergence of ``outputs`` against ``reference`` (lists of trees).
+
+    >>> r = [jnp.array([[1.0, 2.0, 3.0]])]
+    >>> f = fidelity(r, [r[0] + 0.01])
+    >>> round(f["sqnr_db"], 1), round(f["kl"], 6), f["finite"]
+    (46.7, 0.0, True)
+    """
+    signal = noise = 0.0
+    kls: list[float] = []
+    finite = True
+    for ref_tree, out_tree in zip(reference, outputs):
+        for ref, out in zip(_floating_leaves(ref_tree), _floating_leaves(out_tree)):
+            if not np.all(np.isfinite(out)):
+                finite = False
+                continue
+            signal += float(np.sum(ref**2))
+            noise += float(np.sum((out - ref) ** 2))
+            if ref.ndim >= 1 and ref.shape[-1] > 1:
+                p = _softmax(ref)
+                q = _softmax(out)
+                kls.append(float(np.mean(np.sum(p * (np.log(p + 1e-30) - np.log(q + 1e-30)), axis=-1))))
+    if not finite:
+        return {"sqnr_db": float("nan"), "kl": float("nan"), "finite": False}
+    sqnr = math.inf if noise == 0 else 10.0 * math.log10(max(signal, 1e-300) / noise)
+    return {"sqnr_db": sqnr, "kl": float(np.mean(kls)) if kls else float("nan"), "finite": True}
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def check_metric(value: Any, what: str) -> float:
+    """The metric as a float; raises a clear error for anything that is not a finite number."""
+    try:
+        metric = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"eval_fn must return a number. It returned {value!r} for {what}.") from None
+    return metric
+
+
+class Scorer:
+    """Scores models: the user's metric and output fidelity against the float32 model."""
+
+    def __init__(self, eval_fn: Callable[[Any], float], calibration: Sequence[tuple], reference_model: Any):
+        self.eval_fn = eval_fn
+        self.calibration = list(calibration)
+        self.reference = [reference_model(*batch) for batch in self.calibration]
+        self.evaluations = 0
+
+    def metric(self, model: Any, what: str) -> float:
+        self.evaluations += 1
+        return check_metric(self.eval_fn(model), what)
+
+    def score(self, model: Any, what: str) -> dict[str, float | bool]:
+        """``{"metric", "sqnr_db", "kl", "finite"}`` for ``model``."""
+        outputs = [model(*batch) for batch in self.calibration]
+        record: dict[str, Any] = fidelity(self.reference, outputs)
+        metric = self.metric(model, what)
+        record["metric"] = metric
+        record["finite"] = bool(record["finite"]) and math.isfinite(metric)
+        return record

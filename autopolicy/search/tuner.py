@@ -1,0 +1,372 @@
+"""``tune``: measure every layer under every candidate policy on this machine, solve for the
+fastest per-layer assignment within an accuracy budget, verify it end to end, emit the map."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from autopolicy import policies
+from autopolicy.nn.protocol import NNModel
+from autopolicy.search import hardware, profiling, solver, timing
+from autopolicy.search.cache import MeasurementCache, key, weights_digest
+from autopolicy.search.result import TuneResult
+from autopolicy.search.sensitivity import Scorer, check_metric
+
+__all__ = ["tune", "DEFAULT_CANDIDATES"]
+
+DEFAULT_CANDIDATES = (
+    "float32",
+    "mixed_bfloat16",
+    "mixed_float16",
+    "int8_from_float32",
+    "float8_from_float32",
+)
+FLOAT32 = "float32"
+
+
+def _progress(enabled: bool, iterable: Iterable, desc: str, total: int | None = None):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+
+    return tqdm(iterable, desc=desc, total=total, leave=False)
+
+
+def _check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds) -> list[policies.DTypePolicy]:
+    if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not max_drop >= 0:
+        raise ValueError(f"max_drop must be a number >= 0. Received: max_drop={max_drop!r}")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not memory_budget > 0):
+        raise ValueError(f"memory_budget must be a number of bytes > 0 or None. Received: {memory_budget!r}")
+    for name, value, low in (("repeats", repeats, 3), ("max_rounds", max_rounds, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}. Received: {name}={value!r}")
+    if isinstance(candidates, (str, policies.DTypePolicy)) or not candidates:
+        raise ValueError(f"candidates must be a non-empty list of policies. Received: {candidates!r}")
+    out = []
+    for c in candidates:
+        policy = policies.get(c) if c is not None else None
+        if policy is None or isinstance(policy, policies.DTypePolicyMap):
+            raise ValueError(f"Each candidate must be a single policy. Received: {c!r}")
+        if policy.compute_dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"Candidate {policy.name!r} does not compute in a float dtype.")
+        out.append(policy)
+    return out
+
+
+class _Run:
+    """The state of one tuning run, phase by phase."""
+
+    def __init__(self, model, eval_fn, args, candidates, budget_spec, memory_budget, cache_dir,
+                 progress, calibration, repeats, max_rounds):
+        self.start = time.perf_counter()
+        self.adapter = NNModel(model)
+        self.base = self.adapter.model
+        self.eval_fn = eval_fn
+        self.args = args
+        self.candidates = candidates
+        self.memory_budget = memory_budget
+        self.progress = progress
+        self.repeats = repeats
+        self.max_rounds = max_rounds
+        tunable = self.adapter.tunable_layers()
+        if not tunable:
+            raise ValueError("The model has no tunable layers (Dense, EinsumDense, Conv2D, Embedding, ...).")
+        try:
+            self.calls = self.adapter.record_calls(*args)
+        except Exception as e:  # pylint: disable=broad-except
+            raise ValueError(f"The model failed on sample_input: {type(e).__name__}: {e}") from e
+        self.sites = profiling.sites(tunable, self.calls, candidates)
+        self.calibration = [args] if calibration is None else [b if isinstance(b, tuple) else (b,) for b in calibration]
+        self.baseline = self._baseline_metric()
+        max_drop, relative = budget_spec
+        self.budget = max_drop * abs(self.baseline) if relative else float(max_drop)
+        self.hardware = hardware.detect()
+        self.fingerprint = hardware.fingerprint(self.hardware)
+        self.cache = MeasurementCache(cache_dir)
+        self.scorer = Scorer(eval_fn, self.calibration, self.base)
+        self.digest = key(weights_digest(self.base), weights_digest(self.calibration),
+                          getattr(eval_fn, "__qualname__", repr(eval_fn)))
+        self.latency: dict[str, dict[str, dict]] = {}
+        self.accuracy: dict[str, dict[str, dict]] = {}
+        self.casts: dict = {}
+
+    def _baseline_metric(self) -> float:
+        try:
+            value = self.eval_fn(self.base)
+        except Exception as e:  # pylint: disable=broad-except
+            raise ValueError(f"eval_fn raised on the float32 model: {type(e).__name__}: {e}") from e
+        metric = check_metric(value, "the float32 model")
+        if not math.isfinite(metric):
+            raise ValueError(f"eval_fn returned {metric!r} for the float32 model; it must be finite.")
+        return metric
+
+    # --- phase 1: latency ---------------------------------------------------------------------
+
+    def variant(self, policy_map: policies.DTypePolicyMap) -> Any:
+        model = self.adapter.with_policies(policy_map)
+        if any(p.quantization_mode == "float8" for p in policy_map.values()) or (
+            policy_map.default_policy.quantization_mode == "float8"
+        ):
+            model = self.adapter.calibrate(model, self.calibration)
+        return model
+
+    def measure_latency(self) -> None:
+        for site in _progress(self.progress, self.sites, "latency", len(self.sites)):
+            variants = {p.name: self.adapter.layer_with_policy(site.path, p) for p in site.candidates}
+            self.latency[site.path] = profiling.layer_latency(
+                site, variants, self.cache, self.fingerprint, self.repeats
+            )
+            self.cache.flush()
+        needed = []
+        for i, site in enumerate(self.sites):
+            own = {p.compute_dtype for p in site.candidates}
+            before = {p.compute_dtype for p in self.sites[i - 1].candidates} if site.chained else {FLOAT32}
+            needed += [(site.input_shape, a, b) for a in before for b in own if a != b]
+        self.casts = profiling.cast_latency(needed, self.cache, self.fingerprint, self.repeats)
+        self.cache.flush()
+
+    def _site_casts(self, site: profiling.LayerSite) -> dict:
+        return {(a, b): s for (shape, a, b), s in self.casts.items() if shape == site.input_shape}
+
+    def _dominated(self, i: int, policy: policies.DTypePolicy) -> bool:
+        """Slower than float32 by more than any cast it could save: never chosen."""
+        site, table = self.sites[i], self.latency[self.sites[i].path]
+        casts = self._site_casts(site)
+        slack = max([s for (a, b), s in casts.items() if b == FLOAT32] + [0.0])
+        if i + 1 < len(self.sites) and self.sites[i + 1].chained:
+            following = self._site_casts(self.sites[i + 1])
+            slack += max([s for (a, b), s in following.items() if a == FLOAT32] + [0.0])
+        return table[policy.name]["latency_s"] - table[FLOAT32]["latency_s"] > slack
+
+    # --- phase 2: accuracy ---------------------------------------------------------------------
+
+    def measure_accuracy(self) -> None:
+        todo = [(i, s, p) for i, s in enumerate(self.sites) for p in s.candidates[1:]]
+        for i, site, policy in _progress(self.progress, todo, "sensitivity", len(todo)):
+            record = self.latency[site.path][policy.name]
+            table = self.accuracy.setdefault(site.path, {FLOAT32: {"metric": self.baseline, "cost": 0.0,
+                                                                   "sqnr_db": math.inf, "kl": 0.0,
+                                                                   "finite": True, "status": "reference"}})
+            if not record["finite"]:
+                table[policy.name] = {"status": "disqualified: non-finite layer output"}
+                continue
+            if self._dominated(i, policy):
+                table[policy.name] = {"status": "skipped: slower than float32"}
+                continue
+            cache_key = key(self.fingerprint, "accuracy", self.digest, site.path, policy.name)
+
+            def measure(site=site, policy=policy):
+                variant = self.variant(policies.DTypePolicyMap(FLOAT32, {site.path: policy}))
+                return self.scorer.score(variant, f"{site.path} as {policy.name}")
+
+            scored = dict(self.cache.get_or_measure(cache_key, measure))
+            self.cache.flush()
+            if not scored["finite"]:
+                scored["status"] = "disqualified: non-finite model output or metric"
+            else:
+                scored["status"] = "measured"
+                scored["cost"] = max(0.0, self.baseline - scored["metric"])
+            table[policy.name] = scored
+
+    # --- phase 3: solve -------------------------------------------------------------------------
+
+    def problem(self, inflate: dict | None = None) -> list[solver.Layer]:
+        inflate = inflate or {}
+        layers = []
+        for site in self.sites:
+            options = []
+            for policy in site.candidates:
+                acc = self.accuracy.get(site.path, {}).get(policy.name, {})
+                if policy.name != FLOAT32 and acc.get("status") != "measured":
+                    continue
+                lat = self.latency[site.path][policy.name]
+                cost = acc.get("cost", 0.0)
+                cost = cost * inflate.get((site.path, policy.name), (1.0, 0.0))[0] + inflate.get(
+                    (site.path, policy.name), (1.0, 0.0))[1]
+                options.append(solver.Option(policy.name, policy.compute_dtype, lat["latency_s"], cost,
+                                             float(lat["nbytes"])))
+            layers.append(solver.Layer(site.path, tuple(options), site.chained, self._site_casts(site)))
+        return layers
+
+    def predicted_latency(self, assignment: dict[str, str]) -> float:
+        """Summed layer latencies and casts for any assignment (unmeasured policies included)."""
+        total, previous = 0.0, FLOAT32
+        for site in self.sites:
+            name = assignment.get(site.path, FLOAT32)
+            dtype = policies.get(name).compute_dtype
+            source = previous if site.chained else FLOAT32
+            total += self.latency[site.path][name]["latency_s"]
+            total += 0.0 if source == dtype else self._site_casts(site).get((source, dtype), 0.0)
+            previous = dtype
+        return total
+
+    def policy_map(self, assignment: dict[str, str]) -> policies.DTypePolicyMap:
+        """The map of an assignment; parameter-free layers that consume a retyped layer's output
+        follow its compute dtype (so no cast is inserted between them)."""
+        entries: dict[str, Any] = {p: policies.get(n) for p, n in assignment.items() if n != FLOAT32}
+        tunable = {s.path for s in self.sites}
+        for path, call in self.calls.items():
+            if path in tunable or call.producer not in entries:
+                continue
+            producer = entries[call.producer]
+            entries[path] = policies.DTypePolicy(getattr(producer, "source_name", producer.name))
+        return policies.DTypePolicyMap(FLOAT32, entries)
+
+    # --- phase 4: verify end to end, repair, compare with the uniform policies ------------------
+
+    def evaluate_map(self, name: str, policy_map: policies.DTypePolicyMap, model: Any) -> float:
+        cache_key = key(self.fingerprint, "verify", self.digest, policies.serialize(policy_map))
+        value = self.cache.get_or_measure(cache_key, lambda: self.scorer.metric(model, name))
+        self.cache.flush()
+        return float(value)
+
+    def solve_and_verify(self) -> list[dict]:
+        """Solves, verifies the map end to end, and while the budget breaks, scales the costs of
+        the layers it changed by what was observed and solves again (bounded rounds)."""
+        inflate: dict = {}
+        tried: list[dict] = []
+        for round_index in range(self.max_rounds):
+            layers = self.problem(inflate)
+            solution = solver.solve(layers, self.budget, self.memory_budget)
+            if solution is None:
+                break
+            assignment = solution.policies(layers)
+            if any(t["assignment"] == assignment for t in tried):
+                break
+            policy_map = self.policy_map(assignment)
+            model = self.variant(policy_map)
+            metric = self.evaluate_map(f"round {round_index + 1}", policy_map, model)
+            drop = self.baseline - metric
+            tried.append({"name": f"map (round {round_index + 1})", "assignment": assignment,
+                          "policy_map": policy_map, "model": model, "metric": metric,
+                          "predicted_cost": solution.accuracy_cost, "exact": solution.exact,
+                          "predicted_latency_s": solution.latency, "round": round_index + 1})
+            if drop <= self.budget + 1e-12 or not math.isfinite(metric):
+                break
+            changed = [(p, n) for p, n in assignment.items() if n != FLOAT32]
+            excess = drop - solution.accuracy_cost
+            for path, name in changed:
+                scale, add = inflate.get((path, name), (1.0, 0.0))
+                ratio = drop / solution.accuracy_cost if solution.accuracy_cost > 0 else 1.0
+                inflate[(path, name)] = (scale * max(ratio, 1.0), add + max(excess, 0.0) / len(changed))
+        return tried
+
+    def uniform(self, policy: policies.DTypePolicy, tried: list[dict]) -> dict:
+        """Every tunable layer on ``policy`` (float32 where it has no such kernel)."""
+        assignment = {s.path: (policy.name if policy in s.candidates else FLOAT32) for s in self.sites}
+        entry = {"name": f"uniform {policy.name}", "assignment": assignment,
+                 "predicted_latency_s": self.predicted_latency(assignment)}
+        same = next((t for t in tried if t["assignment"] == assignment), None)
+        if same is not None:  # the same model as a verified map: share its model and metric
+            return {**entry, "policy_map": same["policy_map"], "model": same["model"], "metric": same["metric"]}
+        policy_map = self.policy_map(assignment)
+        is_float32 = policy.name == FLOAT32
+        return {**entry, "policy_map": policy_map, "model": self.base if is_float32 else self.variant(policy_map),
+                "metric": self.baseline if is_float32 else None}
+
+    def measure_end_to_end(self, entries: list[dict]) -> None:
+        """Times every entry's whole model, interleaved, and records ``measured_latency_s``."""
+        todo = {}
+        for e in entries:
+            cache_key = key(self.fingerprint, "e2e", self.digest, policies.serialize(e["policy_map"]),
+                            [list(x.shape) for x in self.args if hasattr(x, "shape")], self.repeats)
+            e["cache_key"] = cache_key
+            if cache_key not in self.cache and cache_key not in todo:
+                todo[cache_key] = timing.Candidate(lambda m, *a: m(*a), self.args, e["model"])
+        measured = timing.measure(todo, repeats=2 * self.repeats) if todo else {}
+        for cache_key, t in measured.items():
+            self.cache.get_or_measure(cache_key, lambda t=t: t.as_dict("latency_"))
+        for e in entries:
+            stats = self.cache.entries[e["cache_key"]]
+            e["measured_latency_s"] = stats["latency_median"]
+            e["measured_latency_cv"] = stats["latency_cv"]
+        self.cache.flush()
+
+    def choose(self, tried: list[dict]) -> tuple[dict, list[dict]]:
+        uniforms = [self.uniform(p, tried) for p in [policies.DTypePolicy(FLOAT32)] + [
+            c for c in self.candidates if c.name != FLOAT32]]
+        entries = tried + uniforms
+        self.measure_end_to_end(entries)
+        verified = [e for e in tried if self.baseline - e["metric"] <= self.budget + 1e-12]
+        best_map = min(verified, key=lambda e: e["measured_latency_s"], default=None)
+        bar = best_map["measured_latency_s"] if best_map else math.inf
+        # A uniform policy only needs its metric if it could beat the map on latency.
+        for u in uniforms:
+            if u["metric"] is None and u["measured_latency_s"] < bar:
+                u["metric"] = self.evaluate_map(u["name"], u["policy_map"], u["model"])
+        for e in entries:
+            e["meets_budget"] = None if e["metric"] is None else bool(
+                math.isfinite(e["metric"]) and self.baseline - e["metric"] <= self.budget + 1e-12)
+        # Ties (the same model reached as a map and as a uniform policy) go to the map.
+        winner = min((e for e in entries if e["meets_budget"]),
+                     key=lambda e: (e["measured_latency_s"], "round" not in e))
+        return winner, entries
+
+
+def tune(
+    model: Any,
+    eval_fn: Callable[[Any], float],
+    sample_input: Any,
+    candidates: Sequence[Any] = DEFAULT_CANDIDATES,
+    max_drop: float = 0.01,
+    relative: bool = True,
+    memory_budget: float | None = None,
+    cache_dir: str | None = None,
+    progress: bool = True,
+    calibration_inputs: Iterable[Any] | None = None,
+    test_fn: Callable[[Any], float] | None = None,
+    repeats: int = 20,
+    max_rounds: int = 3,
+) -> TuneResult:
+    """Finds the fastest per-layer policies on this machine whose metric stays within budget.
+
+    Args:
+      model: A built float ``autopolicy.nn`` model.
+      eval_fn: ``eval_fn(model) -> float``, higher is better (accuracy on held-out data). Used
+        to score each layer's candidates and to verify the chosen map end to end.
+      sample_input: A realistic input (or tuple of inputs): layer shapes and timings use it.
+      candidates: Policies to consider; float32 is always considered. Quantized ones only for
+        layers with such a kernel.
+      max_drop: The allowed metric drop: a fraction of the float32 metric when ``relative``,
+        else absolute.
+      relative: See ``max_drop``.
+      memory_budget: Optional cap on the bytes of the tuned layers' weights.
+      cache_dir: Where measurements are cached; a rerun resumes from it.
+      progress: Show a progress bar per phase.
+      calibration_inputs: Batches (arrays or tuples) to calibrate float8 scales and to compare
+        outputs with float32; defaults to ``[sample_input]``.
+      test_fn: Optional ``test_fn(model) -> float`` on separate data, reported (never used to
+        decide) for float32 and the chosen map.
+      repeats: Timing repetitions per layer (end-to-end timings use twice as many).
+      max_rounds: Verify/repair rounds.
+
+    Returns:
+      A :class:`TuneResult`. The map is never slower end to end than the best uniform policy
+      that meets the budget: those are verified too and the fastest verified choice wins.
+
+    Raises:
+      ValueError: for an unknown candidate, a negative budget, an unbuilt or quantized model, a
+        model without tunable layers, or an ``eval_fn`` that raises or returns a non-finite value.
+    """
+    candidate_policies = _check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds)
+    args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    run = _Run(model, eval_fn, args, candidate_policies, (max_drop, relative), memory_budget, cache_dir,
+               progress, calibration_inputs, repeats, max_rounds)
+    run.measure_latency()
+    run.measure_accuracy()
+    profile_evaluations = run.scorer.evaluations
+    tried = run.solve_and_verify()
+    winner, entries = run.choose(tried)
+    from autopolicy.search import _report_tables  # pylint: disable=import-outside-toplevel
+
+    summary = _report_tables.summary(run, winner, entries, profile_evaluations, test_fn)
+    return TuneResult(
+        policy_map=winner["policy_map"],
+        model=winner["model"],
+        profile=_report_tables.profile_frame(run, winner),
+        frontier=_report_tables.frontier_frame(run),
+        summary=summary,
+    )

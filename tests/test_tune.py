@@ -1,0 +1,159 @@
+"""The tuner end to end on a small digits MLP: budget, summary, files, overflow, resume, errors."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopolicy as ap
+import autopolicy.nn as nn
+from autopolicy import datasets, search, train
+
+DIGITS = datasets.digits()
+SAMPLE = jnp.asarray(np.resize(DIGITS.x_train, (512, 64)))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = nn.Sequential(
+        [nn.Dense(256, activation="relu"), nn.Dense(256, activation="relu"), nn.Dense(10)], name="mlp"
+    ).build(jax.random.key(0), DIGITS.x_train[:1])
+    model, _ = train.fit(model, optax.adam(2e-3), "sparse_categorical_crossentropy",
+                         (DIGITS.x_train, DIGITS.y_train), epochs=6, progress=False)
+    return model
+
+
+def val_accuracy(model):
+    return train.evaluate(model, (DIGITS.x_val, DIGITS.y_val))["accuracy"]
+
+
+@pytest.fixture(scope="module")
+def result(trained, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    return search.tune(trained, val_accuracy, SAMPLE, max_drop=0.01, repeats=5, progress=False,
+                       cache_dir=str(cache),
+                       test_fn=lambda m: train.evaluate(m, (DIGITS.x_test, DIGITS.y_test))["accuracy"])
+
+
+def test_the_map_meets_the_budget_on_validation_data(trained, result):
+    baseline = val_accuracy(trained)
+    tuned = trained.with_dtype_policy(result.policy_map)
+    assert val_accuracy(tuned) >= baseline * (1 - 0.01) - 1e-12
+    assert val_accuracy(result.model) == pytest.approx(result.summary["chosen"]["metric"])
+    assert set(result.policy_map.keys()) == set(result.summary["chosen"]["policies"])
+    assert result.policy_map.unused_keys(trained.modules().keys()) == []
+
+
+def test_summary_figures_are_consistent(trained, result):
+    s = result.summary
+    assert s["budget"]["baseline_metric"] == pytest.approx(val_accuracy(trained))
+    assert s["budget"]["allowed_drop"] == pytest.approx(0.01 * s["budget"]["baseline_metric"])
+    assert s["chosen"]["meets_budget"] is True
+    assert s["chosen"]["drop"] <= s["budget"]["allowed_drop"] + 1e-12
+    assert s["speedup_vs_float32"] == pytest.approx(
+        s["float32"]["measured_latency_s"] / s["chosen"]["measured_latency_s"])
+    uniform_ok = [u["measured_latency_s"] for u in s["uniform"].values() if u["meets_budget"]]
+    assert s["chosen"]["measured_latency_s"] <= min(uniform_ok) + 1e-15  # never slower than the best uniform
+    assert s["speedup_vs_best_uniform"] >= 1.0
+    assert set(s["uniform"]) == set(search.DEFAULT_CANDIDATES)
+    assert s["layers"] == 3 and s["evaluations"]["total"] >= 1
+    assert s["fingerprint"] == search.hardware.fingerprint(s["hardware"])
+    profile = result.profile
+    assert len(profile) == 3 * 5 and profile["chosen"].sum() == 3
+    assert (profile["latency_s"] > 0).all()
+    measured = profile[profile["status"] == "measured"]
+    assert (measured["accuracy_cost"] >= 0).all() and measured["sqnr_db"].notna().all()
+    frontier = result.frontier
+    assert list(frontier["predicted_accuracy_cost"]) == sorted(frontier["predicted_accuracy_cost"])
+    assert 0 <= s["test"]["chosen"] <= 1
+
+
+def test_run_directory_round_trips(result, tmp_path):
+    result.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "frontier.csv", "policy_map.json", "profile.csv", "summary.json"]
+    loaded = search.load_run(tmp_path)
+    assert loaded["policy_map"] == result.policy_map
+    assert json.loads((tmp_path / "policy_map.json").read_text())["class_name"] == "DTypePolicyMap"
+    assert loaded["summary"]["chosen"]["policies"] == result.summary["chosen"]["policies"]
+    assert list(loaded["profile"]["layer"]) == list(result.profile["layer"])
+    np.testing.assert_allclose(loaded["profile"]["latency_s"], result.profile["latency_s"])
+    assert len(loaded["frontier"]) == len(result.frontier)
+
+
+def test_a_float16_overflow_is_never_chosen():
+    big = nn.Sequential([nn.Dense(16, kernel_initializer="ones", name="overflow"), nn.Dense(4)], name="m")
+    model = big.build(jax.random.key(0), jnp.ones((1, 8)))
+    x = jnp.full((64, 8), 1e4)  # 8 * 1e4 per output: beyond float16's 65504
+    result = search.tune(model, lambda m: 1.0, x, candidates=["float32", "mixed_float16"], max_drop=1.0,
+                         repeats=3, progress=False)
+    row = result.profile[(result.profile["layer"] == "m/overflow") & (result.profile["policy"] == "mixed_float16")]
+    assert row["status"].item() == "disqualified: non-finite layer output"
+    assert not row["finite_output"].item()
+    assert result.policy_map["m/overflow"].compute_dtype != "float16"
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_run_resumes_without_repeating_work(trained, tmp_path):
+    calls = []
+
+    def counting(model, fail_after=None):
+        calls.append(1)
+        if fail_after is not None and len(calls) > fail_after:
+            raise Interrupted()
+        return val_accuracy(model)
+
+    candidates = ["float32", "int8_from_float32", "mixed_bfloat16"]
+    kwargs = dict(candidates=candidates, max_drop=0.01, repeats=3, progress=False, cache_dir=str(tmp_path))
+    with pytest.raises(Interrupted):
+        search.tune(trained, lambda m: counting(m, fail_after=2), SAMPLE, **kwargs)
+    cached = json.loads((tmp_path / "measurements.json").read_text())
+    assert len(cached) >= 3  # latencies and the finished accuracy measurement survived
+    calls.clear()
+    resumed = search.tune(trained, counting, SAMPLE, **kwargs)
+    first_evaluations = len(calls)
+    calls.clear()
+    again = search.tune(trained, counting, SAMPLE, **kwargs)
+    assert len(calls) == 1  # only the float32 baseline: everything else came from the cache
+    assert again.policy_map == resumed.policy_map
+    np.testing.assert_array_equal(again.profile["latency_s"], resumed.profile["latency_s"])
+    assert again.summary["cache"]["misses"] == 0
+    assert first_evaluations < 1 + resumed.summary["evaluations"]["total"] + 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,text",
+    [
+        ({"eval_fn": lambda m: 1 / 0}, ValueError, "ZeroDivisionError"),
+        ({"eval_fn": lambda m: float("nan")}, ValueError, "nan"),
+        ({"eval_fn": lambda m: "high"}, TypeError, "'high'"),
+        ({"candidates": ["float32", "int4_from_float32"]}, ValueError, "int4_from_float32"),
+        ({"candidates": "float32"}, ValueError, "candidates"),
+        ({"max_drop": -0.1}, ValueError, "max_drop=-0.1"),
+        ({"max_drop": "1%"}, ValueError, "max_drop='1%'"),
+        ({"repeats": 1}, ValueError, "repeats=1"),
+        ({"sample_input": jnp.ones((4, 3))}, ValueError, "sample_input"),
+    ],
+)
+def test_bad_input_fails_before_any_long_work(trained, kwargs, error, text):
+    args = {"model": trained, "eval_fn": val_accuracy, "sample_input": SAMPLE, "progress": False, **kwargs}
+    with pytest.raises(error) as info:
+        search.tune(**args)
+    assert text in str(info.value)
+
+
+def test_models_the_search_cannot_tune(trained):
+    with pytest.raises(ValueError, match="no tunable layers"):
+        model = nn.Sequential([nn.Activation("relu")]).build(jax.random.key(0), jnp.ones((1, 3)))
+        search.tune(model, lambda m: 1.0, jnp.ones((2, 3)), progress=False)
+    with pytest.raises(ValueError, match="built"):
+        search.tune(nn.Dense(2), lambda m: 1.0, jnp.ones((2, 3)), progress=False)
+    with pytest.raises(ValueError, match="already quantized"):
+        search.tune(trained.quantize("int8"), val_accuracy, SAMPLE, progress=False)
