@@ -18,6 +18,7 @@ from autopolicy.nn.dense import Dense, EinsumDense
 from autopolicy.nn.embedding import Embedding
 from autopolicy.nn.normalization import LayerNormalization
 from autopolicy.nn.sequential import Sequential
+from autopolicy.nn.transformer import TransformerBlock, causal_mask
 from autopolicy.nn.calibration import calibrate
 from autopolicy.nn.serialization import load, register_serializable, save
 from autopolicy.nn._partition import combine, leaf_kinds, partition
@@ -41,6 +42,8 @@ __all__ = [
     "DotProductAttention",
     "MultiHeadAttention",
     "Sequential",
+    "TransformerBlock",
+    "causal_mask",
     "calibrate",
     "save",
     "load",

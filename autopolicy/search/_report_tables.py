@@ -115,7 +115,8 @@ def summary(run: Any, winner: dict, entries: list[dict], profile_evaluations: in
                   **_entry(e, run.baseline)} for e in maps],
         "evaluations": {
             "profile": profile_evaluations,
-            "verify": run.scorer.evaluations - profile_evaluations,
+            "verify": run.scorer.evaluations - profile_evaluations - run.report_evaluations,
+            "report_only": run.report_evaluations,
             "total": run.scorer.evaluations,
         },
         "cache": {"hits": run.cache.hits, "misses": run.cache.misses},

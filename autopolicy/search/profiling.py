@@ -16,7 +16,7 @@ from autopolicy.nn.protocol import LayerCall
 from autopolicy.search import timing
 from autopolicy.search.cache import MeasurementCache, key
 
-__all__ = ["LayerSite", "sites", "candidates_for", "layer_latency", "cast_latency", "cast_input"]
+__all__ = ["LayerSite", "sites", "candidates_for", "layer_latency", "cast_latency", "cast_input", "profile"]
 
 
 @dataclasses.dataclass
@@ -153,3 +153,51 @@ def cast_latency(
             cache_key, triple = keys[name]
             result[triple] = cache.get_or_measure(cache_key, lambda s=timings[name].median: s)
     return result
+
+
+def profile(
+    model: Any,
+    sample_input: Any,
+    candidates: Sequence[Any] = ("float32", "mixed_bfloat16", "mixed_float16", "int8_from_float32",
+                                 "float8_from_float32"),
+    repeats: int = 20,
+    cache_dir: str | None = None,
+    progress: bool = True,
+):
+    """Latency only: every tunable layer under every candidate, as a DataFrame.
+
+    Columns: ``layer, class, input_shape, policy, latency_s, latency_cv, ratio_to_float32,
+    finite_output, nbytes``. No accuracy is measured (see :func:`autopolicy.search.tune`).
+    """
+    import pandas as pd  # pylint: disable=import-outside-toplevel
+
+    from autopolicy.nn.protocol import NNModel  # pylint: disable=import-outside-toplevel
+    from autopolicy.search import hardware  # pylint: disable=import-outside-toplevel
+
+    adapter = NNModel(model)
+    args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    wanted = [policies.get(c) for c in candidates]
+    layer_sites = sites(adapter.tunable_layers(), adapter.record_calls(*args), wanted)
+    if not layer_sites:
+        raise ValueError("The model has no tunable layers.")
+    fingerprint = hardware.fingerprint()
+    cache = MeasurementCache(cache_dir)
+    rows = []
+    iterator = layer_sites
+    if progress:
+        from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+
+        iterator = tqdm(layer_sites, desc="latency", leave=False)
+    for site in iterator:
+        variants = {p.name: adapter.layer_with_policy(site.path, p) for p in site.candidates}
+        table = layer_latency(site, variants, cache, fingerprint, repeats)
+        cache.flush()
+        for name, record in table.items():
+            rows.append({
+                "layer": site.path, "class": type(site.layer).__name__,
+                "input_shape": "x".join(map(str, site.input_shape)), "policy": name,
+                "latency_s": record["latency_s"], "latency_cv": record["latency_cv"],
+                "ratio_to_float32": table["float32"]["latency_s"] / record["latency_s"],
+                "finite_output": record["finite"], "nbytes": record["nbytes"],
+            })
+    return pd.DataFrame(rows)

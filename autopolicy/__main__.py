@@ -1,0 +1,5 @@
+import sys
+
+from autopolicy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,263 @@
+"""The ``autopolicy`` command line: tune, report, export, show, profile, list.
+
+Every bad argument gets one clear line on stderr and exit status 2; ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Any, Sequence
+
+__all__ = ["main", "build_parser"]
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+class UsageError(Exception):
+    """A bad argument or input: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _fraction(text: str) -> float:
+    """``0.01`` or ``1%`` -> 0.01."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(%?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a fraction (like 0.01) or a percentage (like 1%)")
+    value = float(match.group(1)) / (100.0 if match.group(2) else 1.0)
+    return value
+
+
+def _size(text: str) -> int:
+    """``10MB``, ``512KiB`` or ``1000000`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (like 10MB, 512KiB or 1000000); units: {sorted(_SIZE_UNITS)}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _candidates(text: str) -> list[str]:
+    from autopolicy import policies  # pylint: disable=import-outside-toplevel
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of policies")
+    for name in names:
+        try:
+            policies.get(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 3:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 3")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="autopolicy", description=(
+        "Find the fastest per-layer dtype policies (float32, bfloat16/float16, int8, float8) that keep "
+        "a model's accuracy within budget on this machine, and report and export them."))
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    tune = sub.add_parser("tune", help="tune an experiment end to end and write a run directory and report")
+    tune.add_argument("experiment", nargs="?", default="digits_mlp",
+                      help="a built-in experiment (see `autopolicy list`) or a .py file (default: digits_mlp)")
+    tune.add_argument("--max-drop", type=_fraction, default=None,
+                      help="allowed metric drop, a fraction or percentage (default: the experiment's, usually 1%%)")
+    tune.add_argument("--absolute", action="store_true", help="--max-drop is absolute, not relative to float32")
+    tune.add_argument("--candidates", type=_candidates, default=None,
+                      help="comma-separated policies (default: float32,mixed_bfloat16,mixed_float16,"
+                           "int8_from_float32,float8_from_float32)")
+    tune.add_argument("--memory-budget", type=_size, default=None, help="cap on weight bytes, e.g. 10MB")
+    tune.add_argument("--out", default=None, help="run directory (default: runs/EXPERIMENT); reruns resume")
+    tune.add_argument("--repeats", type=_positive_int, default=20, help="timing repetitions per layer")
+    tune.add_argument("--no-report", action="store_true", help="skip writing the report")
+    tune.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    report = sub.add_parser("report", help="write report.md and report.html (with figures) for a run")
+    report.add_argument("run_dir")
+    report.add_argument("--out", default=None, help="output directory (default: RUN_DIR)")
+
+    export = sub.add_parser("export", help="export a run's policy map")
+    export.add_argument("run_dir")
+    export.add_argument("--out", required=True, help="output file")
+    export.add_argument("--format", choices=("json", "table"), default="json",
+                        help="json: Keras DTypePolicyMap envelope; table: path and policy per line")
+
+    show = sub.add_parser("show", help="print a policy map file")
+    show.add_argument("map_file")
+
+    profile = sub.add_parser("profile", help="time every layer of an experiment under every candidate")
+    profile.add_argument("experiment")
+    profile.add_argument("--candidates", type=_candidates, default=None)
+    profile.add_argument("--repeats", type=_positive_int, default=20)
+    profile.add_argument("--out", default=None, help="also write the table as CSV")
+    profile.add_argument("--no-progress", action="store_true")
+
+    sub.add_parser("list", help="list the built-in experiments")
+    return parser
+
+
+def _experiment(name: str) -> Any:
+    from autopolicy import experiment  # pylint: disable=import-outside-toplevel
+
+    try:
+        module = experiment.load(name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(f"experiment {name}: {getattr(module, 'DESCRIPTION', '')}", file=sys.stderr)
+    return module.build(experiment.default_cache_dir())
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from autopolicy import search  # pylint: disable=import-outside-toplevel
+
+    exp = _experiment(args.experiment)
+    out = args.out or os.path.join("runs", exp.name)
+    max_drop = exp.max_drop if args.max_drop is None else args.max_drop
+    result = search.tune(
+        exp.model, exp.eval_fn, exp.sample_input,
+        candidates=args.candidates or exp.candidates, max_drop=max_drop,
+        relative=exp.relative and not args.absolute, memory_budget=args.memory_budget,
+        cache_dir=os.path.join(out, "cache"), progress=not args.no_progress,
+        calibration_inputs=exp.calibration_inputs, test_fn=exp.test_fn, repeats=args.repeats,
+    )
+    result.summary["experiment"] = {"name": exp.name, "description": exp.description,
+                                    "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:])}
+    result.save(out)
+    _print_summary(result.summary, out)
+    if not args.no_report:
+        from autopolicy import report  # pylint: disable=import-outside-toplevel
+
+        written = report.write_report(out)
+        print(f"report: {written.get('markdown', os.path.join(out, 'report.md'))}")
+    return 0
+
+
+def _print_summary(s: dict, out: str) -> None:
+    chosen = s["chosen"]
+    print(f"device: {s['device']}")
+    print(f"float32 metric {s['budget']['baseline_metric']:.4f}; allowed drop {s['budget']['allowed_drop']:.4f}")
+    print(f"chosen map: {len(chosen['policies'])} of {s['layers']} layers changed; metric {chosen['metric']:.4f}; "
+          f"{s['speedup_vs_float32']:.2f}x float32, {s['speedup_vs_best_uniform']:.2f}x best uniform "
+          f"({s['best_uniform']})")
+    for path, policy in chosen["policies"].items():
+        print(f"  {path}: {policy}")
+    print(f"run directory: {out}")
+
+
+def _report(args: argparse.Namespace) -> int:
+    from autopolicy import report  # pylint: disable=import-outside-toplevel
+
+    if not os.path.isdir(args.run_dir):
+        raise UsageError(f"no run directory at {args.run_dir!r}")
+    written = report.write_report(args.run_dir, args.out)
+    for kind, path in written.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def _map_rows(policy_map: Any) -> list[tuple[str, str]]:
+    rows = [(key, policy.name) for key, policy in policy_map.items()]
+    default = "(global policy)" if policy_map.follows_global else policy_map.default_policy.name
+    return rows + [("<default>", default)]
+
+
+def _export(args: argparse.Namespace) -> int:
+    from autopolicy import _atomic, policies  # pylint: disable=import-outside-toplevel
+    from autopolicy.search.result import MAP_FILE  # pylint: disable=import-outside-toplevel
+
+    source = os.path.join(args.run_dir, MAP_FILE)
+    if not os.path.isfile(source):
+        raise UsageError(f"no policy map in {args.run_dir!r} (expected {source!r}); run `autopolicy tune` first")
+    policy_map = policies.load_policy_map(source)
+    if args.format == "json":
+        policies.save_policy_map(policy_map, args.out)
+    else:
+        rows = _map_rows(policy_map)
+        width = max(len(p) for p, _ in rows)
+        _atomic.write_text(args.out, "".join(f"{p.ljust(width)}  {n}\n" for p, n in rows))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from autopolicy import policies  # pylint: disable=import-outside-toplevel
+
+    if not os.path.isfile(args.map_file):
+        raise UsageError(f"no file at {args.map_file!r}")
+    rows = _map_rows(policies.load_policy_map(args.map_file))
+    width = max(len(p) for p, _ in rows)
+    for path, name in rows:
+        print(f"{path.ljust(width)}  {name}")
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from autopolicy import _atomic, search  # pylint: disable=import-outside-toplevel
+
+    exp = _experiment(args.experiment)
+    table = search.profile(exp.model, exp.sample_input, candidates=args.candidates or exp.candidates,
+                           repeats=args.repeats, progress=not args.no_progress)
+    print(f"device: {search.hardware.describe()}")
+    wide = table.pivot(index="layer", columns="policy", values="ratio_to_float32").loc[table["layer"].unique()]
+    print("speed relative to float32 (higher is faster):")
+    print(wide.round(2).to_string())
+    if args.out:
+        _atomic.write_text(args.out, table.to_csv(index=False))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from autopolicy import experiment  # pylint: disable=import-outside-toplevel
+
+    for name, path in experiment.available().items():
+        module = experiment.load(name)
+        print(f"{name:18s} {getattr(module, 'DESCRIPTION', path)}")
+    return 0
+
+
+_COMMANDS = {"tune": _tune, "report": _report, "export": _export, "show": _show, "profile": _profile,
+             "list": _list}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except UsageError as e:
+        print(f"autopolicy {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, FileNotFoundError, json.JSONDecodeError) as e:
+        if args.debug:
+            raise
+        print(f"autopolicy {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"autopolicy {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
