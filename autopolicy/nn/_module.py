@@ -420,8 +420,8 @@ class Module(metaclass=_ModuleMeta):
             if mode not in layer.supported_quantization_modes:
                 if single:
                     raise ValueError(
-                        f"{type(layer).__name__} {path!r} has no {mode} kernel. Layer types with "
-                        f"one support: {type(layer).__name__}.supported_quantization_modes="
+                        f"{type(layer).__name__} {path!r} has no {mode} kernel: "
+                        f"{type(layer).__name__} supports the quantization modes "
                         f"{layer.supported_quantization_modes}."
                     )
                 skipped.append(path)
@@ -436,7 +436,7 @@ class Module(metaclass=_ModuleMeta):
         unchanged = {p: m.dtype_policy for p, m in self.modules().items()}
         new = self._retyped(lambda p: targets.get(p, unchanged[p]), [])
         if skipped:
-            logger.warning("quantize(%r) skipped layers without a %s kernel: %s", mode, mode, skipped)
+            logger.warning("quantize(%r) skipped layers without such a kernel: %s", mode, skipped)
         return new
 
     def _retyped(self, lookup: Callable[[str], DTypePolicy], skipped: list[str]) -> "Module":

@@ -109,7 +109,9 @@ def _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype):
         acc = jnp.einsum(equation, x_q, kernel_q, preferred_element_type=jnp.int32)
         # The contracted axes are size 1 in both scales, so this einsum is their outer product
         # laid out like the output: one multiply per output element rescales the accumulator.
-        y = acc.astype(jnp.float32) * jnp.einsum(equation, x_scale, kernel_scale.astype(jnp.float32))
+        scale = jnp.einsum(equation, x_scale, kernel_scale.astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)  # no bf16 passes on accelerators
+        y = acc.astype(jnp.float32) * scale
     return y.astype(compute_dtype), (x, kernel_q, kernel_scale)
 
 
