@@ -8,6 +8,12 @@ import tempfile
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Writes ``data`` to ``path`` through a temporary file and a rename."""
     path = os.fspath(path)
@@ -15,6 +21,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file normal permissions
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

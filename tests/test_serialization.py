@@ -162,3 +162,11 @@ def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert path.read_text() == original
     assert sorted(os.listdir(tmp_path)) == ["map.json"]
+
+
+def test_saved_files_get_normal_permissions(tmp_path):
+    path = tmp_path / "map.json"
+    ap.save_policy_map(ap.DTypePolicyMap("float32"), path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask

@@ -95,6 +95,7 @@ def test_a_float16_overflow_is_never_chosen():
     assert row["status"].item() == "disqualified: non-finite layer output"
     assert not row["finite_output"].item()
     assert result.policy_map["m/overflow"].compute_dtype != "float16"
+    assert result.summary["uniform"]["mixed_float16"]["meets_budget"] is not True
 
 
 class Interrupted(Exception):

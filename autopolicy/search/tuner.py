@@ -258,7 +258,9 @@ class _Run:
     def uniform(self, policy: policies.DTypePolicy, tried: list[dict]) -> dict:
         """Every tunable layer on ``policy`` (float32 where it has no such kernel)."""
         assignment = {s.path: (policy.name if policy in s.candidates else FLOAT32) for s in self.sites}
-        entry = {"name": f"uniform {policy.name}", "assignment": assignment,
+        # A layer whose output is not finite under the policy disqualifies the uniform policy.
+        broken = [p for p, n in assignment.items() if not self.latency[p][n]["finite"]]
+        entry = {"name": f"uniform {policy.name}", "assignment": assignment, "disqualified": broken,
                  "predicted_latency_s": self.predicted_latency(assignment)}
         same = next((t for t in tried if t["assignment"] == assignment), None)
         if same is not None:  # the same model as a verified map: share its model and metric
@@ -298,14 +300,15 @@ class _Run:
         # A uniform policy needs its metric if it could beat the map on latency (a decision), or
         # if it is faster than float32 (to report the best uniform policy honestly).
         for u in sorted(uniforms, key=lambda e: e["measured_latency_s"]):
-            if u["metric"] is None and u["measured_latency_s"] < max(bar, float32):
+            if u["metric"] is None and not u["disqualified"] and u["measured_latency_s"] < max(bar, float32):
                 before = self.scorer.evaluations
                 u["metric"] = self.evaluate_map(u["name"], u["policy_map"], u["model"])
                 if u["measured_latency_s"] >= bar:
                     self.report_evaluations += self.scorer.evaluations - before
         for e in entries:
             e["meets_budget"] = None if e["metric"] is None else bool(
-                math.isfinite(e["metric"]) and self.baseline - e["metric"] <= self.budget + 1e-12)
+                math.isfinite(e["metric"]) and self.baseline - e["metric"] <= self.budget + 1e-12
+                and not e.get("disqualified"))
         # Ties (the same model reached as a map and as a uniform policy) go to the map.
         winner = min((e for e in entries if e["meets_budget"]),
                      key=lambda e: (e["measured_latency_s"], "round" not in e))

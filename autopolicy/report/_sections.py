@@ -1,0 +1,151 @@
+"""What a report says, section by section, as document blocks."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping
+
+from autopolicy.report import tables
+from autopolicy.report._cells import MISSING
+from autopolicy.report._document import Block, Facts, Heading, Image, Paragraph, Table
+
+__all__ = ["report_blocks", "FIGURE_CAPTIONS"]
+
+FIGURE_CAPTIONS = {
+    "sensitivity": "Sensitivity: accuracy cost (metric drop) of each layer under each policy",
+    "layer_latency": "Layer latency under each policy",
+    "pareto_frontier": "End-to-end latency vs metric: frontier, uniform policies, chosen map, budget",
+    "latency_check": "Predicted vs measured end-to-end latency",
+}
+
+
+def _num(value: Any, spec: str = ".4g", suffix: str = "") -> str:
+    """A number formatted by ``spec``, or a dash when it is missing or not finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return MISSING
+    return f"{value:{spec}}{suffix}"
+
+
+def _ms(seconds: Any) -> str:
+    return _num(seconds * 1e3 if isinstance(seconds, (int, float)) else None, ".3g", " ms")
+
+
+def _yes_no(value: Any) -> str:
+    return "not evaluated" if value is None else ("yes" if value else "no")
+
+
+def _chosen_line(run: dict[str, Any]) -> str:
+    summary = run["summary"]
+    changed, layers = len(summary["chosen"].get("policies") or {}), summary.get("layers", MISSING)
+    what = f"{changed} of {layers} tuned layers changed" if changed else "every layer stays float32"
+    return f"{summary['chosen'].get('name', MISSING)} ({what})"
+
+
+def _speed(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    chosen_s, float32_s = summary["chosen"].get("measured_latency_s"), summary["float32"].get("measured_latency_s")
+    best = summary.get("best_uniform", MISSING)
+    return [
+        ("Speedup vs float32", f"{_num(summary.get('speedup_vs_float32'), '.2f', '×')} "
+                               f"(measured end to end: {_ms(chosen_s)} vs {_ms(float32_s)})"),
+        (f"Speedup vs best uniform ({best})", _num(summary.get("speedup_vs_best_uniform"), ".2f", "×")),
+    ]
+
+
+def _metric(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    chosen, budget, test = summary["chosen"], summary["budget"], summary.get("test")
+    drop, allowed = _num(chosen.get("drop"), ".3g"), _num(budget.get("allowed_drop"), ".3g")
+    items = [("Metric", f"{_num(chosen.get('metric'))} (float32 {_num(budget.get('baseline_metric'))}; "
+                        f"drop {drop}, allowed {allowed}; meets budget: {_yes_no(chosen.get('meets_budget'))})")]
+    if isinstance(test, dict):
+        items.append(("Test metric", f"{_num(test.get('chosen'))} chosen vs {_num(test.get('float32'))} float32"))
+    return items
+
+
+def _costs(run: dict[str, Any]) -> list[tuple[str, str]]:
+    summary, profile = run["summary"], run["profile"]
+    float32_bytes = int(profile.loc[profile["policy"] == tables.FLOAT32, "nbytes"].sum())
+    evaluations, cache = summary.get("evaluations") or {}, summary.get("cache") or {}
+    return [
+        ("Weight bytes", f"{_num(summary['chosen'].get('nbytes'), ',')} chosen vs "
+                         f"{_num(float32_bytes, ',')} in float32"),
+        ("Evaluations", f"{evaluations.get('profile', MISSING)} to profile, {evaluations.get('verify', MISSING)} "
+                        f"to verify, {evaluations.get('total', MISSING)} in all"),
+        ("Measurement cache", f"{cache.get('hits', MISSING)} hits, {cache.get('misses', MISSING)} misses"),
+        ("Wall time", _num(summary.get("wall_time_s"), ".1f", " s")),
+    ]
+
+
+def _headline(run: dict[str, Any]) -> list[Block]:
+    summary = run["summary"]
+    items = [("Chosen", _chosen_line(run)), *_speed(summary), *_metric(summary), *_costs(run)]
+    return [Heading("Headline"), Facts(items)]
+
+
+def _hardware(summary: dict[str, Any]) -> list[Block]:
+    hw = summary.get("hardware") if isinstance(summary.get("hardware"), dict) else {}
+    cpu = hw.get("cpu") if isinstance(hw.get("cpu"), dict) else {}
+    items = [("Device", str(summary.get("device", MISSING)))]
+    for label, value in (("Platform", hw.get("platform")), ("Device kind", hw.get("device_kind")),
+                         ("Device count", hw.get("device_count")),
+                         ("Compute capability", hw.get("compute_capability")),
+                         ("CPU", cpu.get("model")), ("CPU cores", cpu.get("cores")),
+                         ("CPU features", ", ".join(cpu["features"]) if cpu.get("features") else None),
+                         ("jax", hw.get("jax")), ("jaxlib", hw.get("jaxlib")), ("Python", hw.get("python")),
+                         ("autopolicy", hw.get("autopolicy")), ("XLA_FLAGS", hw.get("xla_flags") or None),
+                         ("Fingerprint", summary.get("fingerprint"))):
+        if value is not None:
+            items.append((label, str(value)))
+    return [Heading("Device and versions"), Facts(items)]
+
+
+def _budget(summary: dict[str, Any]) -> list[Block]:
+    budget = summary["budget"]
+    memory = budget.get("memory_budget")
+    return [Heading("Budget"), Facts([
+        ("Baseline (float32) metric", _num(budget.get("baseline_metric"))),
+        ("Allowed drop", _num(budget.get("allowed_drop"), ".4g")),
+        ("Minimum metric", _num(budget.get("min_metric"))),
+        ("Memory budget", "none" if memory is None else _num(memory, ",", " bytes")),
+        ("Candidates", ", ".join(summary.get("candidates") or []) or MISSING),
+    ])]
+
+
+def _tables(run: dict[str, Any]) -> list[Block]:
+    return [
+        Heading("Chosen policy map"),
+        Paragraph("policy_map.json holds this map in the Keras DTypePolicyMap format; load it with "
+                  "autopolicy.load_policy_map or keras.saving.deserialize_keras_object."),
+        Table(tables.policy_map_table(run)),
+        Heading("Uniform policies vs the chosen map"),
+        Paragraph("Predicted: the sum of the measured layer latencies and casts. Measured: the whole model "
+                  "jitted, end to end. latency / float32 below 1 is faster than float32. A metric of — was "
+                  "never evaluated: the configuration was slower than a verified map."),
+        Table(tables.overview_table(run)),
+        Heading("Per-layer measurements"),
+        Paragraph("Latency in ms (median) under each policy; cost: the metric drop with only that layer "
+                  "changed (— where it was not measured); bytes: the layer's weights."),
+        Table(tables.layer_table(run)),
+    ]
+
+
+def _figures(figures: Mapping[str, str]) -> list[Block]:
+    blocks: list[Block] = [Heading("Figures")]
+    for name, path in figures.items():
+        caption = FIGURE_CAPTIONS.get(name, name)
+        blocks += [Heading(caption, 3), Image(caption, path)]
+    return blocks
+
+
+def report_blocks(run: dict[str, Any], run_dir: str | os.PathLike, figures: Mapping[str, str]) -> list[Block]:
+    """The whole report: headline, device, budget, tables and figures.
+
+    Args:
+      run: A loaded run.
+      run_dir: The run directory (named in the report).
+      figures: Figure name -> PNG path relative to the report.
+    """
+    summary = run["summary"]
+    intro = Paragraph(f"Run directory: {os.fspath(run_dir)}. Device: {summary.get('device', MISSING)}.")
+    return [Heading("autopolicy tuning report", 1), intro, *_headline(run), *_hardware(summary),
+            *_budget(summary), *_tables(run), *_figures(figures)]

@@ -1,0 +1,179 @@
+"""The tables of a report, as pandas DataFrames, and a small Markdown renderer for them.
+
+Every function takes a loaded run: the dict :func:`autopolicy.report.read_run` (or
+:func:`autopolicy.search.load_run`) returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from autopolicy.report._cells import format_cell, is_numeric_column
+
+__all__ = ["policy_order", "layer_order", "pivot", "layer_table", "overview_table",
+           "policy_map_table", "to_markdown", "FLOAT32", "OVERVIEW_COLUMNS"]
+
+FLOAT32 = "float32"
+_PROFILED = ("measured", "reference")  # statuses whose accuracy cost was measured
+OVERVIEW_COLUMNS = ["configuration", "chosen", "predicted (ms)", "measured (ms)", "latency / float32",
+                    "metric", "drop", "meets budget"]
+
+
+def policy_order(run: dict[str, Any]) -> list[str]:
+    """The policies of the profile, in the run's candidate order (then order of appearance)."""
+    seen = list(dict.fromkeys(run["profile"]["policy"]))
+    candidates = [p for p in run["summary"].get("candidates") or [] if p in seen]
+    return candidates + [p for p in seen if p not in candidates]
+
+
+def layer_order(run: dict[str, Any]) -> list[str]:
+    """The profiled layers in model order (by ``index`` when the profile has it)."""
+    profile = run["profile"]
+    if "index" in profile.columns:
+        profile = profile.sort_values("index", kind="stable")
+    return list(dict.fromkeys(profile["layer"]))
+
+
+def pivot(run: dict[str, Any], column: str) -> pd.DataFrame:
+    """One profile column as a layers x policies frame (NaN where a layer lacks the policy)."""
+    table = run["profile"].pivot(index="layer", columns="policy", values=column)
+    return table.reindex(index=layer_order(run), columns=policy_order(run))
+
+
+def _chosen(run: dict[str, Any]) -> pd.Series:
+    """The chosen policy of each layer (float32 where no row is marked chosen)."""
+    marked = run["profile"][run["profile"]["chosen"]].drop_duplicates("layer")
+    chosen = marked.set_index("layer")["policy"].reindex(layer_order(run))
+    return chosen.fillna(FLOAT32).astype(object)
+
+
+def _notes(statuses: pd.Series, chosen: str) -> str:
+    """Groups the non-measured statuses of one layer: 'skipped (slower than float32): a, b'."""
+    groups: dict[str, list[str]] = {}
+    for policy, status in statuses.dropna().items():
+        if status not in _PROFILED:
+            groups.setdefault(str(status), []).append(str(policy))
+    notes = []
+    for status, names in groups.items():
+        kind, _, reason = status.partition(": ")
+        notes.append(f"{kind} ({reason}): {', '.join(names)}" if reason else f"{status}: {', '.join(names)}")
+    if statuses.get(chosen) not in _PROFILED and chosen in statuses.index:
+        notes.append(f"{chosen} chosen as part of a uniform policy, not from its layer profile")
+    return "; ".join(notes)
+
+
+def layer_table(run: dict[str, Any]) -> pd.DataFrame:
+    """One row per profiled layer: its class, chosen policy, latency (ms) and accuracy cost under
+    each policy, weight bytes in float32 and as chosen, and notes on skipped policies.
+
+    Args:
+      run: A loaded run.
+
+    Returns:
+      Columns ``layer, class, chosen, "<policy> (ms)"..., "<policy> (cost)"..., float32 bytes,
+      chosen bytes, notes``; NaN where a layer has no such policy or its cost was not measured.
+    """
+    layers, policies, chosen = layer_order(run), policy_order(run), _chosen(run)
+    latency, cost, nbytes = pivot(run, "latency_s") * 1e3, pivot(run, "accuracy_cost"), pivot(run, "nbytes")
+    statuses = pivot(run, "status")
+    classes = run["profile"].drop_duplicates("layer").set_index("layer").reindex(layers)
+    table = pd.DataFrame({"layer": layers})
+    table["class"] = classes["class"].to_numpy() if "class" in classes.columns else ""
+    table["chosen"] = chosen.to_numpy()
+    for policy in policies:
+        table[f"{policy} (ms)"] = latency[policy].to_numpy()
+    for policy in policies:
+        table[f"{policy} (cost)"] = cost[policy].to_numpy()
+    float32_bytes = nbytes[FLOAT32] if FLOAT32 in nbytes.columns else pd.Series(float("nan"), layers)
+    table["float32 bytes"] = float32_bytes.to_numpy()
+    table["chosen bytes"] = [nbytes.at[layer, policy] for layer, policy in chosen.items()]
+    table["notes"] = [_notes(statuses.loc[layer], chosen[layer]) for layer in layers]
+    return table
+
+
+def _meets(value: Any) -> str:
+    return "not evaluated" if value is None else ("yes" if value else "no")
+
+
+def _overview_row(label: str, entry: dict[str, Any], float32_s: float | None, chosen: str) -> dict:
+    measured = entry.get("measured_latency_s")
+    predicted = entry.get("predicted_latency_s")
+    ratio = measured / float32_s if measured is not None and float32_s else None
+    return {
+        "configuration": label,
+        "chosen": "✓" if label == chosen else "",
+        "predicted (ms)": None if predicted is None else predicted * 1e3,
+        "measured (ms)": None if measured is None else measured * 1e3,
+        "latency / float32": ratio,
+        "metric": entry.get("metric"),
+        "drop": entry.get("drop"),
+        "meets budget": _meets(entry.get("meets_budget")),
+    }
+
+
+def overview_table(run: dict[str, Any]) -> pd.DataFrame:
+    """Each uniform policy and each verified map (round) end to end, against float32.
+
+    Args:
+      run: A loaded run.
+
+    Returns:
+      Columns ``configuration, chosen, predicted (ms), measured (ms), latency / float32,
+      metric, drop, meets budget``; metric and drop are None where the run never evaluated
+      that configuration (its ``meets budget`` reads "not evaluated").
+    """
+    summary = run["summary"]
+    float32_s = summary["float32"].get("measured_latency_s")
+    chosen = summary["chosen"].get("name", "")
+    rows = [_overview_row(f"uniform {name}", entry, float32_s, chosen)
+            for name, entry in summary["uniform"].items()]
+    rows += [_overview_row(f"map (round {entry.get('round')})", entry, float32_s, chosen)
+             for entry in summary.get("maps") or []]
+    return pd.DataFrame(rows, columns=OVERVIEW_COLUMNS)
+
+
+def policy_map_table(run: dict[str, Any]) -> pd.DataFrame:
+    """The chosen map as ``path -> policy`` rows, then the default for every other layer.
+
+    Args:
+      run: A loaded run.
+
+    Returns:
+      Columns ``path, policy, role``: "tuned" for a profiled layer, "follows its input" for a
+      parameter-free layer that takes its producer's compute dtype, and "default".
+    """
+    policy_map, tuned = run["policy_map"], set(run["profile"]["layer"])
+    rows = [{"path": path, "policy": policy.name,
+             "role": "tuned" if path in tuned else "follows its input"}
+            for path, policy in policy_map.items()]
+    rows.append({"path": "(every other layer)", "policy": policy_map.default_policy.name, "role": "default"})
+    return pd.DataFrame(rows, columns=["path", "policy", "role"])
+
+
+def _markdown_cell(value: Any) -> str:
+    return format_cell(value).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(frame: pd.DataFrame) -> str:
+    """Renders a DataFrame as a GitHub Markdown table (no index; numbers right-aligned).
+
+    Args:
+      frame: Any DataFrame; cells are formatted by ``format_cell`` (4 significant digits, a
+        dash for NaN/None, yes/no for booleans) and ``|`` is escaped.
+
+    Returns:
+      The table, one line per row, ending with a newline.
+
+    >>> print(to_markdown(pd.DataFrame({"layer": ["a|b"], "ms": [1.23456]})), end="")
+    | layer | ms |
+    | --- | ---: |
+    | a\\|b | 1.235 |
+    """
+    header = "| " + " | ".join(_markdown_cell(c) for c in frame.columns) + " |"
+    rule = "| " + " | ".join("---:" if is_numeric_column(frame.iloc[:, i]) else "---"
+                             for i in range(frame.shape[1])) + " |"
+    rows = ["| " + " | ".join(_markdown_cell(v) for v in row) + " |"
+            for row in frame.itertuples(index=False, name=None)]
+    return "\n".join([header, rule, *rows]) + "\n"
