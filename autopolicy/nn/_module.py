@@ -601,7 +601,7 @@ class Module(metaclass=_ModuleMeta):
             self._build_now(args, kwargs)
         self._check_x64()
         args, kwargs = self._autocast_inputs(args, kwargs)
-        callbacks = [hook(self, args, kwargs) for hook in _context.hooks()]
+        callbacks = [hook(self, args, dict(kwargs)) for hook in _context.hooks()]
         view = self._compute_view()
         if self._call_takes_training:
             kwargs["training"] = training

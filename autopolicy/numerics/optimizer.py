@@ -14,7 +14,6 @@ from autopolicy.numerics.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
     all_finite,
-    select_tree,
 )
 
 __all__ = ["LossScaleState", "loss_scale_optimizer", "LossScaleOptimizer", "find_loss_scale_state"]
@@ -66,10 +65,23 @@ def loss_scale_optimizer(
     def update_fn(updates, state, params=None, **extra_args):
         grads = state.loss_scale.unscale(updates)
         finite = all_finite(grads)
-        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
-        new_updates = select_tree(finite, new_updates, zeros)
-        new_inner = select_tree(finite, new_inner, state.inner_state)
+
+        def apply(grads, inner_state):
+            return inner.update(grads, inner_state, params, **extra_args)
+
+        def skip(grads, inner_state):
+            out = jax.eval_shape(apply, grads, inner_state)
+            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), out[0])
+            # Same values and bits; only a weak type may differ from what ``apply`` returns.
+            kept = jax.tree_util.tree_map(lambda x, s: jnp.asarray(x, s.dtype), inner_state, out[1])
+            return zeros, kept
+
+        if isinstance(finite, jax.core.Tracer):
+            # A cond, not a select: XLA:CPU fuses a select into the inner update's arithmetic
+            # and recomputes it (re-reading every gradient) for each output, doubling the step.
+            new_updates, new_inner = jax.lax.cond(finite, apply, skip, grads, state.inner_state)
+        else:  # eager: a Python branch, rather than compiling a new cond at every call
+            new_updates, new_inner = (apply if bool(finite) else skip)(grads, state.inner_state)
         return new_updates, LossScaleState(state.loss_scale.adjust(finite), new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -110,7 +110,7 @@ def layer_latency(
     todo: dict[str, timing.Candidate] = {}
     keys = {}
     for name, layer in variants.items():
-        keys[name] = key(fingerprint, "latency", signature, name, repeats)
+        keys[name] = key(fingerprint, "latency", signature, name, repeats, timing.METHOD)
         if keys[name] in cache:
             out[name] = cache.entries[keys[name]]
             continue
@@ -141,7 +141,8 @@ def cast_latency(
     result, todo, keys = {}, {}, {}
     for shape, source, target in sorted(set(needed)):
         name = json.dumps([list(shape), source, target])
-        keys[name] = (key(fingerprint, "cast", list(shape), source, target, repeats), (shape, source, target))
+        keys[name] = (key(fingerprint, "cast", list(shape), source, target, repeats, timing.METHOD),
+                      (shape, source, target))
         if keys[name][0] in cache:
             result[keys[name][1]] = cache.entries[keys[name][0]]
             continue

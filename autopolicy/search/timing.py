@@ -2,8 +2,8 @@
 
 Each candidate runs ``inner`` times inside one compiled loop, so dispatch overhead is paid once
 per timed call. Every iteration perturbs its input by ``eps * carry`` where ``eps`` is a
-runtime zero, and passes its output through an optimization barrier into the carry: XLA can
-neither hoist the work out of the loop nor drop it. Candidates are timed round-robin in a fresh
+runtime zero and ``carry`` depends on the previous output, and every output is carried out of
+the loop: XLA can neither hoist the work out of the loop nor drop any of it. Candidates are timed round-robin in a fresh
 random order each round, so drift (thermal, other processes) hits them alike.
 """
 
@@ -20,6 +20,8 @@ import numpy as np
 
 __all__ = ["Timing", "Candidate", "compile_loop", "measure"]
 
+#: Part of every cached timing's key: measurements taken by an older method are not reused.
+METHOD = "loop-carry-2"
 TARGET_CALL_SECONDS = 2e-3  # each timed call runs at least this long (amortizes dispatch)
 MAX_INNER = 1000
 
@@ -72,24 +74,39 @@ def compile_loop(candidate: Candidate, inner: int) -> Callable[[], None]:
     """Compiles ``inner`` dependent calls of the candidate and returns a blocking runner."""
 
     def loop(state, inputs, eps):
-        def body(_, carry):
-            out = candidate.call(state, _perturb(inputs, carry, eps))
-            # The barrier keeps ``out`` alive; only its first element feeds the carry.
-            carry, out = jax.lax.optimization_barrier((carry, out))
-            first = jax.tree_util.tree_leaves(out)[0]
-            return carry + first.reshape(-1)[0].astype(jnp.float32) * eps
+        def step(scalar):
+            return candidate.call(state, _perturb(inputs, scalar, eps))
 
-        return jax.lax.fori_loop(0, inner, body, jnp.zeros((), jnp.float32))
+        def body(_, carry):
+            scalar, _ = carry
+            out = step(scalar)
+            first = jax.tree_util.tree_leaves(out)[0]
+            # Every output is part of the loop's result, so none of it can be dropped; the
+            # next iteration depends on this one through ``scalar``, so nothing can be hoisted.
+            return scalar + first.reshape(-1)[0].astype(jnp.float32) * eps, out
+
+        zero = jnp.zeros((), jnp.float32)
+        shapes = jax.eval_shape(step, zero)
+        init = (zero, jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
+        return jax.lax.fori_loop(0, inner, body, init)
 
     state = candidate.state
-    inputs = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(x) if isinstance(x, (jax.Array, np.ndarray)) else x, tuple(candidate.inputs)
-    )
-    compiled = jax.jit(loop).lower(state, inputs, jnp.float32(0.0)).compile()
+    # Arrays are traced; anything else in the inputs (flags, None) stays a Python constant.
+    leaves, treedef = jax.tree_util.tree_flatten(tuple(candidate.inputs))
+    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+    arrays = [jnp.asarray(leaves[i]) for i in dynamic]
+
+    def rebuild(values):
+        full = list(leaves)
+        for i, v in zip(dynamic, values):
+            full[i] = v
+        return jax.tree_util.tree_unflatten(treedef, full)
+
+    compiled = jax.jit(lambda st, arr, eps: loop(st, rebuild(arr), eps)).lower(state, arrays, jnp.float32(0.0)).compile()
     eps = jnp.float32(0.0)
 
     def run() -> None:
-        compiled(state, inputs, eps).block_until_ready()
+        jax.block_until_ready(compiled(state, arrays, eps))
 
     return run
 

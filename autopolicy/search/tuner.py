@@ -275,7 +275,8 @@ class _Run:
         todo = {}
         for e in entries:
             cache_key = key(self.fingerprint, "e2e", self.digest, policies.serialize(e["policy_map"]),
-                            [list(x.shape) for x in self.args if hasattr(x, "shape")], self.repeats)
+                            [list(x.shape) for x in self.args if hasattr(x, "shape")], self.repeats,
+                            timing.METHOD)
             e["cache_key"] = cache_key
             if cache_key not in self.cache and cache_key not in todo:
                 todo[cache_key] = timing.Candidate(lambda m, *a: m(*a), self.args, e["model"])
