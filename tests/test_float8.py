@@ -15,25 +15,11 @@ from autopolicy.nn.calibration import calibrate
 from autopolicy.numerics import float8
 from autopolicy.numerics.float8 import E4M3_MAX, E5M2_MAX, Float8Meta
 from autopolicy.train import fit, predict
+from helpers import forward, gaussian, relative_error
 
 
 def f32(value):
     return np.float32(value)
-
-
-def relative_error(y, reference):
-    y = jnp.asarray(y, jnp.float32)
-    return float(jnp.linalg.norm(y - reference) / jnp.linalg.norm(reference))
-
-
-def gaussian(shape, seed=1):
-    # NumPy, not jax.random: no compilation per shape, which keeps the suite fast.
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-@jax.jit
-def forward(model, x):
-    return model(x)
 
 
 def assert_meta(meta, history, scale, jitted=False):

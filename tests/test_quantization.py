@@ -19,25 +19,11 @@ from autopolicy import datasets
 from autopolicy.nn._partition import partition
 from autopolicy.numerics import _u8s8_dot, int8
 from autopolicy.train import evaluate, fit
+from helpers import forward, gaussian, relative_error
 
 SOURCES = ("float32", "mixed_bfloat16")
 # bfloat16 rounds the inputs and the output on top of int8: measured +0.03 to +0.04 points.
 BFLOAT16_EXTRA = 0.002
-
-
-def relative_error(y, reference):
-    y = jnp.asarray(y, jnp.float32)
-    return float(jnp.linalg.norm(y - reference) / jnp.linalg.norm(reference))
-
-
-def gaussian(shape, seed=1):
-    # NumPy, not jax.random: no compilation per shape, which keeps the suite fast.
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-@jax.jit
-def forward(model, x):
-    return model(x)
 
 
 # --- layers ---------------------------------------------------------------------------------
