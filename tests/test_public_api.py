@@ -12,6 +12,11 @@ PUBLIC_MODULES = [
     "autopolicy.dtype_policies",
     "autopolicy.mixed_precision",
     "autopolicy.numerics",
+    "autopolicy.nn",
+    "autopolicy.train",
+    "autopolicy.search",
+    "autopolicy.report",
+    "autopolicy.experiment",
 ]
 
 
