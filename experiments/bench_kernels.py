@@ -192,7 +192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = shlex.join([sys.executable] + (sys.argv if argv is None else sys.argv[:1] + argv))
+    # The command as a user types it (no machine-specific interpreter path).
+    args_given = sys.argv[1:] if argv is None else list(argv)
+    command = shlex.join(["python", "experiments/bench_kernels.py"] + args_given)
     start = time.perf_counter()
     rows: list[dict] = []
     dots: dict[int, str] = {}
