@@ -301,3 +301,13 @@ def test_summary_lists_every_leaf():
     text = mlp().build(jax.random.key(0), X).summary()
     assert "mlp/dense_2" in text and "float32" in text
     assert text.splitlines()[-1].split()[1] == str(6 * 8 + 8 + 8 * 8 + 8 + 8 * 4 + 4)
+
+
+def test_max_pooling_values_and_gradient():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4, 4, 3)), jnp.float32)
+    pool = nn.MaxPooling2D(2).build(jax.random.key(0), x)
+    expected = np.asarray(x).reshape(2, 2, 2, 2, 2, 3).max(axis=(2, 4))
+    np.testing.assert_array_equal(pool(x), expected)
+    grad = jax.grad(lambda a: pool(a).sum())(x)
+    assert float(grad.sum()) == 2 * 2 * 2 * 3  # one winner per window
+    assert pool.with_dtype_policy("mixed_bfloat16")(x).dtype == jnp.bfloat16

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from autopolicy.nn import activations, initializers
 from autopolicy.nn._module import Module
@@ -116,5 +117,6 @@ class MaxPooling2D(Module):
     def call(self, x: jax.Array) -> jax.Array:
         window = (1,) + self.pool_size + (1,)
         strides = (1,) + self.strides + (1,)
-        init = jnp.array(-jnp.inf, x.dtype)
+        # A concrete (NumPy) identity lets JAX see a max-pool and differentiate it.
+        init = np.array(-np.inf, x.dtype)
         return jax.lax.reduce_window(x, init, jax.lax.max, window, strides, self.padding.upper())
