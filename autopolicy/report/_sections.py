@@ -115,7 +115,7 @@ def _tables(run: dict[str, Any]) -> list[Block]:
     return [
         Heading("Chosen policy map"),
         Paragraph("policy_map.json holds this map in the Keras DTypePolicyMap format; load it with "
-                  "autopolicy.load_policy_map or keras.saving.deserialize_keras_object."),
+                  "autopolicy.load_policy_map, or in Keras with keras.dtype_policies.deserialize."),
         Table(tables.policy_map_table(run)),
         Heading("Uniform policies vs the chosen map"),
         Paragraph("Predicted: the sum of the measured layer latencies and casts. Measured: the whole model "

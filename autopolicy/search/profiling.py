@@ -188,7 +188,7 @@ def profile(
     if progress:
         from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
 
-        iterator = tqdm(layer_sites, desc="latency", leave=False)
+        iterator = tqdm(layer_sites, desc="latency", leave=False, disable=None)
     for site in iterator:
         variants = {p.name: adapter.layer_with_policy(site.path, p) for p in site.candidates}
         table = layer_latency(site, variants, cache, fingerprint, repeats)

@@ -32,7 +32,7 @@ def _progress(enabled: bool, iterable: Iterable, desc: str, total: int | None = 
         return iterable
     from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
 
-    return tqdm(iterable, desc=desc, total=total, leave=False)
+    return tqdm(iterable, desc=desc, total=total, leave=False, disable=None)  # None: off without a TTY
 
 
 def _check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds) -> list[policies.DTypePolicy]:
@@ -60,7 +60,7 @@ class _Run:
     """The state of one tuning run, phase by phase."""
 
     def __init__(self, model, eval_fn, args, candidates, budget_spec, memory_budget, cache_dir,
-                 progress, calibration, repeats, max_rounds):
+                 progress, calibration, repeats, max_rounds, min_speedup=1.0):
         self.start = time.perf_counter()
         self.adapter = NNModel(model)
         self.base = self.adapter.model
@@ -71,6 +71,7 @@ class _Run:
         self.progress = progress
         self.repeats = repeats
         self.max_rounds = max_rounds
+        self.min_speedup = min_speedup
         tunable = self.adapter.tunable_layers()
         if not tunable:
             raise ValueError("The model has no tunable layers (Dense, EinsumDense, Conv2D, Embedding, ...).")
@@ -313,6 +314,9 @@ class _Run:
         # Ties (the same model reached as a map and as a uniform policy) go to the map.
         winner = min((e for e in entries if e["meets_budget"]),
                      key=lambda e: (e["measured_latency_s"], "round" not in e))
+        # A change must pay for itself: within noise of float32, float32 stays.
+        if winner["measured_latency_s"] * self.min_speedup > uniforms[0]["measured_latency_s"]:
+            winner = uniforms[0]
         return winner, entries
 
 
@@ -330,6 +334,7 @@ def tune(
     test_fn: Callable[[Any], float] | None = None,
     repeats: int = 20,
     max_rounds: int = 3,
+    min_speedup: float = 1.02,
 ) -> TuneResult:
     """Finds the fastest per-layer policies on this machine whose metric stays within budget.
 
@@ -352,6 +357,8 @@ def tune(
         decide) for float32 and the chosen map.
       repeats: Timing repetitions per layer (end-to-end timings use twice as many).
       max_rounds: Verify/repair rounds.
+      min_speedup: The chosen configuration must be at least this much faster than float32 end to
+        end, or float32 is kept (changes within timing noise are not worth their risk).
 
     Returns:
       A :class:`TuneResult`. The map is never slower end to end than the best uniform policy
@@ -363,8 +370,10 @@ def tune(
     """
     candidate_policies = _check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds)
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup >= 1:
+        raise ValueError(f"min_speedup must be a number >= 1. Received: min_speedup={min_speedup!r}")
     run = _Run(model, eval_fn, args, candidate_policies, (max_drop, relative), memory_budget, cache_dir,
-               progress, calibration_inputs, repeats, max_rounds)
+               progress, calibration_inputs, repeats, max_rounds, min_speedup)
     run.measure_latency()
     run.measure_accuracy()
     profile_evaluations = run.scorer.evaluations

@@ -254,7 +254,8 @@ def _progress(enabled: bool, epochs: int, steps: int | None):
         return None
     from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
 
-    return tqdm(total=None if steps is None else epochs * steps, desc="fit", unit="step", leave=False)
+    return tqdm(total=None if steps is None else epochs * steps, desc="fit", unit="step", leave=False,
+                disable=None)  # None: off without a TTY
 
 
 # --- evaluate / predict -----------------------------------------------------------------------
