@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from autopolicy import policies
 from autopolicy.nn.protocol import NNModel
-from autopolicy.search import hardware, profiling, solver, timing
+from autopolicy.search import hardware, profiling, solver, verify
 from autopolicy.search.cache import MeasurementCache, key, weights_digest
 from autopolicy.search.result import TuneResult
 from autopolicy.search.sensitivity import Scorer, check_metric
@@ -217,108 +217,6 @@ class _Run:
             entries[path] = policies.DTypePolicy(getattr(producer, "source_name", producer.name))
         return policies.DTypePolicyMap(FLOAT32, entries)
 
-    # --- phase 4: verify end to end, repair, compare with the uniform policies ------------------
-
-    def evaluate_map(self, name: str, policy_map: policies.DTypePolicyMap, model: Any) -> float:
-        cache_key = key(self.fingerprint, "verify", self.digest, policies.serialize(policy_map))
-        value = self.cache.get_or_measure(cache_key, lambda: self.scorer.metric(model, name))
-        self.cache.flush()
-        return float(value)
-
-    def solve_and_verify(self) -> list[dict]:
-        """Solves, verifies the map end to end, and while the budget breaks, scales the costs of
-        the layers it changed by what was observed and solves again (bounded rounds)."""
-        inflate: dict = {}
-        tried: list[dict] = []
-        for round_index in range(self.max_rounds):
-            layers = self.problem(inflate)
-            solution = solver.solve(layers, self.budget, self.memory_budget)
-            if solution is None:
-                break
-            assignment = solution.policies(layers)
-            if any(t["assignment"] == assignment for t in tried):
-                break
-            policy_map = self.policy_map(assignment)
-            model = self.variant(policy_map)
-            metric = self.evaluate_map(f"round {round_index + 1}", policy_map, model)
-            drop = self.baseline - metric
-            tried.append({"name": f"map (round {round_index + 1})", "assignment": assignment,
-                          "policy_map": policy_map, "model": model, "metric": metric,
-                          "predicted_cost": solution.accuracy_cost, "exact": solution.exact,
-                          "predicted_latency_s": solution.latency, "round": round_index + 1})
-            if drop <= self.budget + 1e-12 or not math.isfinite(metric):
-                break
-            changed = [(p, n) for p, n in assignment.items() if n != FLOAT32]
-            excess = drop - solution.accuracy_cost
-            for path, name in changed:
-                scale, add = inflate.get((path, name), (1.0, 0.0))
-                ratio = drop / solution.accuracy_cost if solution.accuracy_cost > 0 else 1.0
-                inflate[(path, name)] = (scale * max(ratio, 1.0), add + max(excess, 0.0) / len(changed))
-        return tried
-
-    def uniform(self, policy: policies.DTypePolicy, tried: list[dict]) -> dict:
-        """Every tunable layer on ``policy`` (float32 where it has no such kernel)."""
-        assignment = {s.path: (policy.name if policy in s.candidates else FLOAT32) for s in self.sites}
-        # A layer whose output is not finite under the policy disqualifies the uniform policy.
-        broken = [p for p, n in assignment.items() if not self.latency[p][n]["finite"]]
-        entry = {"name": f"uniform {policy.name}", "assignment": assignment, "disqualified": broken,
-                 "predicted_latency_s": self.predicted_latency(assignment)}
-        same = next((t for t in tried if t["assignment"] == assignment), None)
-        if same is not None:  # the same model as a verified map: share its model and metric
-            return {**entry, "policy_map": same["policy_map"], "model": same["model"], "metric": same["metric"]}
-        policy_map = self.policy_map(assignment)
-        is_float32 = policy.name == FLOAT32
-        return {**entry, "policy_map": policy_map, "model": self.base if is_float32 else self.variant(policy_map),
-                "metric": self.baseline if is_float32 else None}
-
-    def measure_end_to_end(self, entries: list[dict]) -> None:
-        """Times every entry's whole model, interleaved, and records ``measured_latency_s``."""
-        todo = {}
-        for e in entries:
-            cache_key = key(self.fingerprint, "e2e", self.digest, policies.serialize(e["policy_map"]),
-                            [list(x.shape) for x in self.args if hasattr(x, "shape")], self.repeats,
-                            timing.METHOD)
-            e["cache_key"] = cache_key
-            if cache_key not in self.cache and cache_key not in todo:
-                todo[cache_key] = timing.Candidate(lambda m, *a: m(*a), self.args, e["model"])
-        measured = timing.measure(todo, repeats=2 * self.repeats) if todo else {}
-        for cache_key, t in measured.items():
-            self.cache.get_or_measure(cache_key, lambda t=t: t.as_dict("latency_"))
-        for e in entries:
-            stats = self.cache.entries[e["cache_key"]]
-            e["measured_latency_s"] = stats["latency_median"]
-            e["measured_latency_cv"] = stats["latency_cv"]
-        self.cache.flush()
-
-    def choose(self, tried: list[dict]) -> tuple[dict, list[dict]]:
-        uniforms = [self.uniform(p, tried) for p in [policies.DTypePolicy(FLOAT32)] + [
-            c for c in self.candidates if c.name != FLOAT32]]
-        entries = tried + uniforms
-        self.measure_end_to_end(entries)
-        verified = [e for e in tried if self.baseline - e["metric"] <= self.budget + 1e-12]
-        best_map = min(verified, key=lambda e: e["measured_latency_s"], default=None)
-        bar = best_map["measured_latency_s"] if best_map else math.inf
-        float32 = uniforms[0]["measured_latency_s"]
-        # A uniform policy needs its metric if it could beat the map on latency (a decision), or
-        # if it is faster than float32 (to report the best uniform policy honestly).
-        for u in sorted(uniforms, key=lambda e: e["measured_latency_s"]):
-            if u["metric"] is None and not u["disqualified"] and u["measured_latency_s"] < max(bar, float32):
-                before = self.scorer.evaluations
-                u["metric"] = self.evaluate_map(u["name"], u["policy_map"], u["model"])
-                if u["measured_latency_s"] >= bar:
-                    self.report_evaluations += self.scorer.evaluations - before
-        for e in entries:
-            e["meets_budget"] = None if e["metric"] is None else bool(
-                math.isfinite(e["metric"]) and self.baseline - e["metric"] <= self.budget + 1e-12
-                and not e.get("disqualified"))
-        # Ties (the same model reached as a map and as a uniform policy) go to the map.
-        winner = min((e for e in entries if e["meets_budget"]),
-                     key=lambda e: (e["measured_latency_s"], "round" not in e))
-        # A change must pay for itself: within noise of float32, float32 stays.
-        if winner["measured_latency_s"] * self.min_speedup > uniforms[0]["measured_latency_s"]:
-            winner = uniforms[0]
-        return winner, entries
-
 
 def tune(
     model: Any,
@@ -377,8 +275,8 @@ def tune(
     run.measure_latency()
     run.measure_accuracy()
     profile_evaluations = run.scorer.evaluations
-    tried = run.solve_and_verify()
-    winner, entries = run.choose(tried)
+    tried = verify.solve_and_verify(run)
+    winner, entries = verify.choose(run, tried)
     from autopolicy.search import _report_tables  # pylint: disable=import-outside-toplevel
 
     summary = _report_tables.summary(run, winner, entries, profile_evaluations, test_fn)

@@ -1,0 +1,198 @@
+"""Policies on modules: what a module computes in, and retyping a tree (maps, quantization)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from autopolicy import policies
+from autopolicy.nn._base import is_array, map_children
+from autopolicy.nn._frozen_map import FrozenPolicyMap
+from autopolicy.policies import DTypePolicy, DTypePolicyMap
+
+__all__ = ["Retyping", "policy_source", "infer_policy", "INFER"]
+
+logger = logging.getLogger("autopolicy.nn")
+
+INFER = "infer"
+
+
+class Retyping:
+    """A module's dtype policy and the copies with other policies (a mixin of ``Module``)."""
+
+    @property
+    def dtype_policy(self) -> DTypePolicy:
+        """The policy this module runs under (a quantized policy it has no kernel for is read
+        as its source policy)."""
+        source = self._policy_source
+        if source == INFER:
+            raise RuntimeError(
+                f"{self.path!r} uses the 'infer' policy and takes its dtype from its first input: "
+                "build it first."
+            )
+        policy = source.lookup(self.path) if isinstance(source, FrozenPolicyMap) else source
+        mode = policy.quantization_mode
+        if mode is not None and mode not in self.supported_quantization_modes:
+            return DTypePolicy(policy.source_name)
+        return policy
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.dtype_policy.compute_dtype
+
+    @property
+    def variable_dtype(self) -> str:
+        return self.dtype_policy.variable_dtype
+
+    @property
+    def quantization_mode(self) -> str | None:
+        return self.dtype_policy.quantization_mode
+
+    def cast(self, x: Any) -> Any:
+        """Casts the floating-point arrays in ``x`` to this module's compute dtype."""
+        dtype = jnp.dtype(self.compute_dtype)
+
+        def leaf(a):
+            if is_array(a) and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype:
+                return a.astype(dtype)
+            return a
+
+        return jax.tree_util.tree_map(leaf, x)
+
+    def with_dtype_policy(self, policy: Any, strict: bool = False) -> Any:
+        """Returns a copy in which every module's policy is ``policy`` or ``map[module.path]``.
+
+        Built layers convert their weights: cast to the new variable dtype, quantized for an
+        int8 policy, given float8 scaling state for a float8 policy. A quantized policy for a
+        layer with no such kernel (a LayerNormalization) leaves it on the source policy.
+
+        Args:
+          policy: A policy, name, config dict or ``DTypePolicyMap``.
+          strict: Raise if a key of the map matches no module path (a typo).
+
+        Raises:
+          ValueError: for an invalid policy, or unused keys when ``strict``.
+        """
+        resolved = policies.get(policy)
+        if isinstance(resolved, DTypePolicyMap):
+            if strict:
+                unused = resolved.unused_keys(self.modules().keys())
+                if unused:
+                    raise ValueError(
+                        f"Keys of the DTypePolicyMap match no layer path: {unused}. "
+                        f"Paths are: {list(self.modules())}"
+                    )
+            lookup: Callable[[str], DTypePolicy] = resolved.__getitem__
+        else:
+            lookup = lambda path: resolved  # noqa: E731
+        skipped: list[str] = []
+        new = self._retyped(lookup, skipped)
+        if skipped:
+            logger.info("kept the source policy for layers without a quantized kernel: %s", skipped)
+        return new
+
+    def quantize(self, mode: str, filter: Callable[[str, Any], bool] | None = None) -> Any:  # noqa: A002
+        """Returns a copy whose layers run ``mode`` (``"int8"`` or ``"float8"``) kernels.
+
+        On a single layer, a layer type without such a kernel, an unbuilt layer or an already
+        quantized one raise. On a model, layers without such a kernel are skipped (and logged);
+        ``filter(path, layer)`` selects the layers to quantize.
+
+        Raises:
+          ValueError: for an invalid mode, an already quantized layer, or a layer type without a
+            kernel for ``mode`` (single layer), or a float16 compute dtype for int8.
+          RuntimeError: if the module is not built.
+        """
+        if mode not in policies.QUANTIZATION_MODES:
+            raise ValueError(
+                f"Invalid quantization mode. Expected one of {policies.QUANTIZATION_MODES}. "
+                f"Received: mode={mode!r}"
+            )
+        if not self.built:
+            raise RuntimeError(
+                f"{type(self).__name__} {self.path!r} is not built; quantize converts built weights: "
+                "call model.build(key, sample_input) first."
+            )
+        single = not self.children()
+        targets: dict[str, DTypePolicy] = {}
+        skipped = []
+        for path, layer in self.layers_by_path().items():
+            if filter is not None and not filter(path, layer):
+                continue
+            if mode not in layer.supported_quantization_modes:
+                if single:
+                    raise ValueError(
+                        f"{type(layer).__name__} {path!r} has no {mode} kernel: "
+                        f"{type(layer).__name__} supports the quantization modes "
+                        f"{layer.supported_quantization_modes}."
+                    )
+                skipped.append(path)
+                continue
+            current = layer.dtype_policy
+            if current.quantization_mode is not None:
+                raise ValueError(f"{path!r} is already quantized (policy {current.name!r}).")
+            try:
+                targets[path] = policies.get(f"{mode}_from_{current.name}")
+            except ValueError as e:
+                raise ValueError(f"Cannot quantize {path!r}: {e}") from None
+        unchanged = {p: m.dtype_policy for p, m in self.modules().items()}
+        new = self._retyped(lambda p: targets.get(p, unchanged[p]), [])
+        if skipped:
+            logger.warning("quantize(%r) skipped layers without such a kernel: %s", mode, skipped)
+        return new
+
+    def _retyped(self, lookup: Callable[[str], DTypePolicy], skipped: list[str]) -> Any:
+        policy = lookup(self.path)
+        new = self._copy(mutable=True, _policy_source=policy, _dtype_explicit=True)
+        mode = policy.quantization_mode
+        if mode is not None and mode not in self.supported_quantization_modes and not self.children():
+            skipped.append(self.path)
+
+        map_children(new, lambda child: child._retyped(lookup, skipped))
+        if self._own_built and self._defines_weights():
+            new._convert_weights(self)
+        new._freeze()
+        return new
+
+    def _convert_weights(self, old: Any) -> None:
+        """Converts the weights of this (mutable, just retyped) copy from ``old``'s policy.
+
+        The base version casts float variables to the new variable dtype; quantizable layers
+        extend it.
+        """
+        variable = jnp.dtype(self.variable_dtype)
+        for key, value in list(self._attrs()):
+            if (
+                is_array(value)
+                and jnp.issubdtype(value.dtype, jnp.floating)
+                and key not in self._no_autocast
+                and value.dtype != variable
+            ):
+                object.__setattr__(self, key, jnp.asarray(value).astype(variable))
+
+
+def policy_source(dtype: Any) -> Any:
+    if isinstance(dtype, str) and dtype == INFER:
+        import warnings  # pylint: disable=import-outside-toplevel
+
+        warnings.warn(
+            "The 'infer' dtype policy (TF 1 behaviour: take the dtype of the first input) is "
+            "deprecated; pass dtype='float32' (or the policy you want) instead.",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        return INFER
+    resolved = policies.get(dtype)
+    if isinstance(resolved, DTypePolicyMap):
+        return FrozenPolicyMap.from_map(resolved)
+    return resolved
+
+
+def infer_policy(module: Any, args: tuple, kwargs: dict) -> DTypePolicy:
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        if is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating):
+            return DTypePolicy(jnp.dtype(leaf.dtype).name)
+    raise ValueError(f"{module.path!r} uses the 'infer' policy but got no floating-point input.")
