@@ -184,12 +184,9 @@ def profile(
     fingerprint = hardware.fingerprint()
     cache = MeasurementCache(cache_dir)
     rows = []
-    iterator = layer_sites
-    if progress:
-        from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+    from autopolicy.search._progress import progress as bar  # pylint: disable=import-outside-toplevel
 
-        iterator = tqdm(layer_sites, desc="latency", leave=False, disable=None)
-    for site in iterator:
+    for site in bar(progress, layer_sites, "latency", len(layer_sites)):
         variants = {p.name: adapter.layer_with_policy(site.path, p) for p in site.candidates}
         table = layer_latency(site, variants, cache, fingerprint, repeats)
         cache.flush()

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Sequence
 from autopolicy import policies
 from autopolicy.nn.protocol import NNModel
 from autopolicy.search import hardware, profiling, solver, verify
+from autopolicy.search._progress import progress
 from autopolicy.search.cache import MeasurementCache, key, weights_digest
 from autopolicy.search.result import TuneResult
 from autopolicy.search.sensitivity import Scorer, check_metric
@@ -25,14 +26,6 @@ DEFAULT_CANDIDATES = (
     "float8_from_float32",
 )
 FLOAT32 = "float32"
-
-
-def _progress(enabled: bool, iterable: Iterable, desc: str, total: int | None = None):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-
-    return tqdm(iterable, desc=desc, total=total, leave=False, disable=None)  # None: off without a TTY
 
 
 def _check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds) -> list[policies.DTypePolicy]:
@@ -116,7 +109,7 @@ class _Run:
         return model
 
     def measure_latency(self) -> None:
-        for site in _progress(self.progress, self.sites, "latency", len(self.sites)):
+        for site in progress(self.progress, self.sites, "latency", len(self.sites)):
             variants = {p.name: self.adapter.layer_with_policy(site.path, p) for p in site.candidates}
             self.latency[site.path] = profiling.layer_latency(
                 site, variants, self.cache, self.fingerprint, self.repeats
@@ -147,7 +140,7 @@ class _Run:
 
     def measure_accuracy(self) -> None:
         todo = [(i, s, p) for i, s in enumerate(self.sites) for p in s.candidates[1:]]
-        for i, site, policy in _progress(self.progress, todo, "sensitivity", len(todo)):
+        for i, site, policy in progress(self.progress, todo, "sensitivity", len(todo)):
             record = self.latency[site.path][policy.name]
             table = self.accuracy.setdefault(site.path, {FLOAT32: {"metric": self.baseline, "cost": 0.0,
                                                                    "sqnr_db": math.inf, "kl": 0.0,

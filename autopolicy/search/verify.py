@@ -8,6 +8,7 @@ from typing import Any
 
 from autopolicy import policies
 from autopolicy.search import solver, timing
+from autopolicy.search._progress import progress
 from autopolicy.search.cache import key
 
 __all__ = ["solve_and_verify", "choose"]
@@ -27,7 +28,7 @@ def solve_and_verify(run: Any) -> list[dict]:
     the layers it changed by what was observed and solves again (bounded rounds)."""
     inflate: dict = {}
     tried: list[dict] = []
-    for round_index in range(run.max_rounds):
+    for round_index in progress(run.progress, range(run.max_rounds), "solve and verify"):
         layers = run.problem(inflate)
         solution = solver.solve(layers, run.budget, run.memory_budget)
         if solution is None:
