@@ -451,3 +451,22 @@ def test_digits_mlp_trained_in_float8_is_within_two_points(digits, float32_mlp):
     assert float(first["output_grad"].scale) > 0 and float(first["output_grad"].amax_history[0]) > 0
     accuracy = _accuracy(trained, digits)
     assert abs(accuracy - _accuracy(float32_mlp, digits)) <= 0.02  # measured 0.975 vs 0.969
+
+
+@pytest.mark.parametrize("make,x_shape", [
+    (lambda: nn.Dense(24), (5, 16)),
+    (lambda: nn.EinsumDense("abc,cde->abde", (None, 3, 8)), (2, 5, 16)),
+])
+def test_stored_column_sums_match_and_change_nothing(make, x_shape):
+    x = jnp.asarray(gaussian(x_shape))
+    layer = make().build(jax.random.key(0), x).quantize("int8")
+    axes = layer.kernel_contract_axes()
+    expected = 128 * np.sum(np.asarray(layer.kernel, np.int64), axis=axes)
+    np.testing.assert_array_equal(np.asarray(layer.kernel_colsum), expected)
+    assert layer.kernel_colsum.dtype == jnp.int32
+    from autopolicy.nn._partition import leaf_kinds
+
+    assert leaf_kinds(layer).kernel_colsum == "frozen"
+    without = jax.tree_util.tree_map(lambda a: a, layer)
+    object.__setattr__(without, "kernel_colsum", None)
+    np.testing.assert_array_equal(np.asarray(forward(layer, x)), np.asarray(without(x)))

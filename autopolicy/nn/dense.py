@@ -43,6 +43,8 @@ class Dense(QuantizableKernel):
     (dtype('float32'), dtype(bfloat16))
     """
 
+    uses_column_sums = True
+
     def __init__(
         self,
         units: int,
@@ -84,7 +86,7 @@ class Dense(QuantizableKernel):
     def call(self, x: jax.Array) -> jax.Array:
         mode = self._weights_mode
         if mode == "int8":
-            y = int8.int8_dense(x, self.kernel, self.kernel_scale, x.dtype)
+            y = int8.int8_dense(x, self.kernel, self.kernel_scale, x.dtype, self.kernel_colsum)
         elif mode == "float8":
             y = _fp8_call(self, "...k,kn->...n", x)
         else:
@@ -111,6 +113,8 @@ class EinsumDense(QuantizableKernel):
     >>> layer.kernel.shape, layer(jnp.ones((2, 5, 16))).shape
     ((16, 4, 8), (2, 5, 4, 8))
     """
+
+    uses_column_sums = True
 
     def __init__(
         self,
@@ -209,7 +213,7 @@ class EinsumDense(QuantizableKernel):
         equation = self._full_equation(x.ndim)
         mode = self._weights_mode
         if mode == "int8":
-            y = int8.int8_einsum(equation, x, self.kernel, self.kernel_scale, x.dtype)
+            y = int8.int8_einsum(equation, x, self.kernel, self.kernel_scale, x.dtype, self.kernel_colsum)
         elif mode == "float8":
             y = _fp8_call(self, equation, x)
         else:

@@ -24,6 +24,7 @@ __all__ = [
     "int8_einsum",
     "int8_conv",
     "int8_dense",
+    "column_sums",
 ]
 
 INT8_MAX = 127.0
@@ -84,9 +85,24 @@ def contracted_axes(equation: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(lhs.index(c) for c in summed), tuple(rhs.index(c) for c in summed)
 
 
+def column_sums(kernel_q: jax.Array, contract_axes: Sequence[int]) -> jax.Array:
+    """``128 * sum(kernel_q)`` over the contracted axes, in int32: what shifting the quantized
+    inputs by +128 adds to each output, stored once so no call recomputes it.
+
+    >>> column_sums(jnp.array([[1, -2], [3, 4]], jnp.int8), (0,))
+    Array([512, 256], dtype=int32)
+    """
+    return 128 * jnp.sum(kernel_q, axis=tuple(contract_axes), dtype=jnp.int32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
 def int8_einsum(
-    equation: str, x: jax.Array, kernel_q: jax.Array, kernel_scale: jax.Array, compute_dtype: Any
+    equation: str,
+    x: jax.Array,
+    kernel_q: jax.Array,
+    kernel_scale: jax.Array,
+    compute_dtype: Any,
+    kernel_colsum: jax.Array | None = None,
 ) -> jax.Array:
     """``einsum(equation, x, kernel)`` with ``x`` quantized per row and an int8 kernel.
 
@@ -96,13 +112,15 @@ def int8_einsum(
       kernel_q: The int8 kernel (from :func:`quantize_symmetric` over the contracted axes).
       kernel_scale: Its scale, with the contracted axes kept as size 1.
       compute_dtype: The dtype of the result.
+      kernel_colsum: Optional :func:`column_sums` of the kernel (saves recomputing them on the
+        CPU path at every call).
     """
-    return _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype)[0]
+    return _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype, kernel_colsum)[0]
 
 
-def _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype):
+def _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype, kernel_colsum=None):
     if _u8s8_dot.AVAILABLE and jax.default_backend() == "cpu" and _is_matmul(equation):
-        y = _u8_matmul_path(equation, x, kernel_q, kernel_scale)
+        y = _u8_matmul_path(equation, x, kernel_q, kernel_scale, kernel_colsum)
     else:
         x_axes, _ = contracted_axes(equation)
         x_q, x_scale = quantize_symmetric(x, x_axes)
@@ -112,7 +130,7 @@ def _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype):
         scale = jnp.einsum(equation, x_scale, kernel_scale.astype(jnp.float32),
                            precision=jax.lax.Precision.HIGHEST)  # no bf16 passes on accelerators
         y = acc.astype(jnp.float32) * scale
-    return y.astype(compute_dtype), (x, kernel_q, kernel_scale)
+    return y.astype(compute_dtype), (x, kernel_q, kernel_scale, kernel_colsum)
 
 
 def _is_matmul(equation: str) -> bool:
@@ -125,7 +143,7 @@ def _is_matmul(equation: str) -> bool:
     return out == free_x + free_k and not set(free_x) & set(free_k)
 
 
-def _u8_matmul_path(equation, x, kernel_q, kernel_scale):
+def _u8_matmul_path(equation, x, kernel_q, kernel_scale, kernel_colsum=None):
     """The int8 product on the CPU's u8 x s8 (VNNI) path; equals the s8 x s8 product."""
     lhs, _, out = _einsum_spec(equation)
     n_sum = sum(1 for c in lhs if c not in out)
@@ -142,26 +160,32 @@ def _u8_matmul_path(equation, x, kernel_q, kernel_scale):
     if rows == 1:  # YNNPACK's kernel needs two rows; a copy costs less than the slow path.
         x_u8 = jnp.concatenate([x_u8, x_u8])
     k2 = kernel_q.reshape((k, n))
-    acc = _u8s8_dot.u8s8_matmul(x_u8, k2)[:rows] - 128 * jnp.sum(k2, axis=0, dtype=jnp.int32)
+    colsum = column_sums(k2, (0,)) if kernel_colsum is None else kernel_colsum.reshape((n,))
+    acc = _u8s8_dot.u8s8_matmul(x_u8, k2)[:rows] - colsum
     # Scales first, then the accumulator: the same rounding as the generic path, bit for bit.
     y = acc.astype(jnp.float32) * (x_scale * kernel_scale.astype(jnp.float32).reshape((1, n)))
     return y.reshape(free_shape + out_shape)
 
 
 def _int8_einsum_bwd(equation, compute_dtype, residuals, g):
-    x, kernel_q, kernel_scale = residuals
+    x, kernel_q, kernel_scale, kernel_colsum = residuals
     kernel = dequantize(kernel_q, kernel_scale, x.dtype)
     _, vjp = jax.vjp(lambda x_: jnp.einsum(equation, x_, kernel), x)
     (dx,) = vjp(g.astype(x.dtype))
     # The int8 kernel and its scale are not trained: no gradient flows to them.
-    return dx, np.zeros(kernel_q.shape, jax.dtypes.float0), jnp.zeros_like(kernel_scale)
+    colsum = None if kernel_colsum is None else np.zeros(kernel_colsum.shape, jax.dtypes.float0)
+    return dx, np.zeros(kernel_q.shape, jax.dtypes.float0), jnp.zeros_like(kernel_scale), colsum
 
 
 int8_einsum.defvjp(_int8_einsum_fwd, _int8_einsum_bwd)
 
 
 def int8_dense(
-    x: jax.Array, kernel_q: jax.Array, kernel_scale: jax.Array, compute_dtype: Any
+    x: jax.Array,
+    kernel_q: jax.Array,
+    kernel_scale: jax.Array,
+    compute_dtype: Any,
+    kernel_colsum: jax.Array | None = None,
 ) -> jax.Array:
     """``x @ kernel`` over the last axis of ``x`` with an int8 ``(in, out)`` kernel.
 
@@ -169,7 +193,7 @@ def int8_dense(
     """
     lead = x.shape[:-1]
     x2 = x.reshape((-1, x.shape[-1]))
-    y = int8_einsum("mk,kn->mn", x2, kernel_q, kernel_scale, compute_dtype)
+    y = int8_einsum("mk,kn->mn", x2, kernel_q, kernel_scale, compute_dtype, kernel_colsum)
     return y.reshape(lead + (kernel_q.shape[-1],))
 
 

@@ -20,8 +20,9 @@ import numpy as np
 
 __all__ = ["Timing", "Candidate", "compile_loop", "measure"]
 
-#: Part of every cached timing's key: measurements taken by an older method are not reused.
-METHOD = "loop-carry-3"
+#: Part of every cached timing's key: measurements taken by an older method (or an older kernel
+#: implementation) are not reused.
+METHOD = "loop-carry-4"
 TARGET_CALL_SECONDS = 2e-3  # each timed call runs at least this long (amortizes dispatch)
 MAX_INNER = 1000
 
