@@ -160,10 +160,12 @@ def hawq_proxy(profile, base, counter: Counter, loss_fn, budget: float, baseline
     traces = hessian_traces(base, loss_fn)
     layers = []
     for layer, rows in profile.groupby("layer", sort=False):
-        kernel = base.layers_by_path()[layer].kernel
+        # HAWQ perturbs weights only: a layer without a kernel (a norm, the attention core) costs 0.
+        kernel = getattr(base.layers_by_path()[layer], "kernel", None)
         options = []
         for _, r in rows[rows["finite_output"]].iterrows():
-            omega = 0.0 if r["policy"] == FLOAT32 else traces.get(layer, 0.0) * _perturbation(kernel, r["policy"])
+            weighted = r["policy"] != FLOAT32 and kernel is not None
+            omega = traces.get(layer, 0.0) * _perturbation(kernel, r["policy"]) if weighted else 0.0
             options.append(solver.Option(r["policy"], r["compute_dtype"], r["latency_s"], max(omega, 0.0)))
         layers.append(solver.Layer(layer, tuple(options), chained=False))
     all_fast = solver.solve(layers, math.inf)
@@ -363,6 +365,7 @@ def main(argv=None) -> int:
     for name in args.models:
         print(f"== {name}", file=sys.stderr)
         results.append(run_model(name, args.runs, args.repeats))
+        _atomic.write_json(os.path.splitext(args.out)[0] + ".json", results)  # progress survives a crash
     device = search.hardware.describe()
     command = "python experiments/bench_search.py " + " ".join(argv if argv is not None else sys.argv[1:])
     png = os.path.splitext(args.out)[0] + ".png"
