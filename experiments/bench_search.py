@@ -354,6 +354,19 @@ def figure(results: list[dict], path: str) -> None:
     os.replace(path + ".tmp.png", path)
 
 
+def json_safe(value: Any) -> Any:
+    """NaN (no oracle for this model, no test data) becomes null in the JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
+        return value.item()
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
@@ -365,14 +378,14 @@ def main(argv=None) -> int:
     for name in args.models:
         print(f"== {name}", file=sys.stderr)
         results.append(run_model(name, args.runs, args.repeats))
-        _atomic.write_json(os.path.splitext(args.out)[0] + ".json", results)  # progress survives a crash
+        _atomic.write_json(os.path.splitext(args.out)[0] + ".json", json_safe(results))  # survives a crash
     device = search.hardware.describe()
     command = "python experiments/bench_search.py " + " ".join(argv if argv is not None else sys.argv[1:])
     png = os.path.splitext(args.out)[0] + ".png"
     figure(results, png)
     text = markdown(results, device, command.strip(), os.path.basename(png))
     _atomic.write_text(args.out, text)
-    _atomic.write_json(os.path.splitext(args.out)[0] + ".json", results)
+    _atomic.write_json(os.path.splitext(args.out)[0] + ".json", json_safe(results))
     print(text)
     return 0
 
