@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--memory-budget", type=_size, default=None, help="cap on weight bytes, e.g. 10MB")
     tune.add_argument("--out", default=None, help="run directory (default: runs/EXPERIMENT); reruns resume")
     tune.add_argument("--repeats", type=_positive_int, default=20, help="timing repetitions per layer")
+    tune.add_argument("--profile-accuracy", choices=("auto", "always"), default="auto",
+                      help="auto: measure per-layer accuracy costs only if the fastest assignment breaks the "
+                           "budget; always: measure them all (a complete sensitivity table)")
     tune.add_argument("--no-report", action="store_true", help="skip writing the report")
     tune.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -139,6 +142,7 @@ def _tune(args: argparse.Namespace) -> int:
         relative=exp.relative and not args.absolute, memory_budget=args.memory_budget,
         cache_dir=os.path.join(out, "cache"), progress=not args.no_progress,
         calibration_inputs=exp.calibration_inputs, test_fn=exp.test_fn, repeats=args.repeats,
+        profile_accuracy=args.profile_accuracy,
     )
     result.summary["experiment"] = {"name": exp.name, "description": exp.description,
                                     "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:])}

@@ -30,6 +30,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from typing import Any, Callable
@@ -195,28 +196,40 @@ def loss_for(name: str, exp: experiment.Experiment) -> Callable[[Any], jax.Array
     return lambda m: train.losses.sparse_categorical_crossentropy(y, m(x))
 
 
-def oracle(profile, counter: Counter, min_metric: float, base, exp) -> tuple[dict[str, str], int]:
+def oracle(profile, counter: Counter, min_metric: float, base, exp, repeats: int) -> dict[str, str]:
+    """Every combination scored end to end; those within budget timed end to end (interleaved),
+    and the fastest eight timed again with more repetitions (a single noisy round would favour
+    whichever combination happened to be lucky)."""
     choices = {layer: list(rows[rows["finite_output"]]["policy"]) for layer, rows in profile.groupby("layer", sort=False)}
     combos = [dict(zip(choices, c)) for c in itertools.product(*choices.values())]
-    models = {json.dumps(c): model_for(base, c, exp) for c in combos}
+    passing = {json.dumps(c): c for c in combos if counter.metric(c) >= min_metric}
     args = exp.sample_input if isinstance(exp.sample_input, tuple) else (exp.sample_input,)
-    times = timing.measure({k: timing.Candidate(lambda m, *a: m(*a), args, m) for k, m in models.items()}, repeats=9)
-    passing = [c for c in combos if counter.metric(c) >= min_metric]
-    best = min(passing, key=lambda c: times[json.dumps(c)].median)
-    return best, len(combos)
+
+    def timed(keys, n):
+        return timing.measure({k: timing.Candidate(lambda m, *a: m(*a), args, model_for(base, passing[k], exp))
+                               for k in keys}, repeats=n)
+
+    first = timed(list(passing), repeats)
+    finalists = sorted(passing, key=lambda k: first[k].median)[:8]
+    second = timed(finalists, 4 * repeats)
+    return passing[min(finalists, key=lambda k: second[k].median)]
 
 
 def run_model(name: str, out_dir: str, repeats: int) -> dict[str, Any]:
     exp_module = experiment.load(name)
     exp = exp_module.build(experiment.default_cache_dir())
     run_dir = os.path.join(out_dir, name)
+    cache_dir = os.path.join(run_dir, "cache")
+    shutil.rmtree(cache_dir, ignore_errors=True)  # the tuner's evaluations and wall time, from scratch
+    kwargs = dict(candidates=exp.candidates, max_drop=exp.max_drop, relative=exp.relative, cache_dir=cache_dir,
+                  calibration_inputs=exp.calibration_inputs, repeats=repeats, progress=False)
     start = time.perf_counter()
-    result = search.tune(exp.model, exp.eval_fn, exp.sample_input, candidates=exp.candidates,
-                         max_drop=exp.max_drop, relative=exp.relative, cache_dir=os.path.join(run_dir, "cache"),
-                         calibration_inputs=exp.calibration_inputs, repeats=repeats, progress=False)
+    result = search.tune(exp.model, exp.eval_fn, exp.sample_input, **kwargs)
     tune_wall = time.perf_counter() - start
     result.save(run_dir)
-    profile, s = result.profile, result.summary
+    s = result.summary
+    # The peers' shared tables: the same latencies (from the cache) and every layer's accuracy cost.
+    profile = search.tune(exp.model, exp.eval_fn, exp.sample_input, profile_accuracy="always", **kwargs).profile
     baseline, budget = s["budget"]["baseline_metric"], s["budget"]["allowed_drop"]
     min_metric = baseline - budget
     base = exp.model.with_dtype_policy(FLOAT32)
@@ -226,9 +239,11 @@ def run_model(name: str, out_dir: str, repeats: int) -> dict[str, Any]:
                       for l, rows in profile.groupby("layer", sort=False)}
         configs[f"uniform {policy}"] = {"assignment": assignment, "evaluations": 0 if policy == FLOAT32 else 1,
                                         "wall_s": 0.0}
-    tuner = {row["layer"]: row["policy"] for _, row in profile[profile["chosen"]].iterrows()}
-    configs["autopolicy tune"] = {"assignment": tuner, "evaluations": s["evaluations"]["verify"],
-                                  "profile_evaluations": s["evaluations"]["profile"], "wall_s": tune_wall}
+    tuner = {row["layer"]: row["policy"] for _, row in result.profile[result.profile["chosen"]].iterrows()}
+    evaluations = s["evaluations"]
+    configs["autopolicy tune"] = {"assignment": tuner, "evaluations": evaluations["profile"] + evaluations["verify"],
+                                  "report_evaluations": evaluations["report_only"], "wall_s": tune_wall,
+                                  "accuracy_profile": s["accuracy_profile"]}
     strategies = {
         "greedy fallback (INC basic)": lambda c: greedy_fallback(profile, c, min_metric),
         "bisection (ORT AMP)": lambda c: bisection(profile, c, min_metric),
@@ -239,7 +254,7 @@ def run_model(name: str, out_dir: str, repeats: int) -> dict[str, Any]:
     for label, strategy in strategies.items():
         counter, t0 = Counter(exp, base), time.perf_counter()
         if strategy is None:
-            assignment, _ = oracle(profile, counter, min_metric, base, exp)
+            assignment = oracle(profile, counter, min_metric, base, exp, repeats)
         else:
             assignment = strategy(counter)
         configs[label] = {"assignment": assignment, "evaluations": counter.count, "wall_s": time.perf_counter() - t0}
@@ -260,7 +275,7 @@ def finish(name, exp, base, configs, baseline, budget, repeats) -> dict[str, Any
         rows.append({
             "model": name, "strategy": label, "latency_s": times[label].median, "latency_cv": times[label].cv,
             "val_drop": baseline - val, "test_drop": test_base - test, "budget_held": baseline - val <= budget + 1e-12,
-            "evaluations": c["evaluations"], "profile_evaluations": c.get("profile_evaluations", 0),
+            "evaluations": c["evaluations"], "report_evaluations": c.get("report_evaluations", 0),
             "wall_s": c["wall_s"], "changed": sum(1 for v in c["assignment"].values() if v != FLOAT32),
         })
     f32 = next(r["latency_s"] for r in rows if r["strategy"] == "uniform float32")
@@ -277,10 +292,14 @@ def markdown(results: list[dict], device: str, command: str, figure: str) -> str
         "",
         f"Device: {device}. Command: `{command}`.",
         "",
-        "All strategies share one profiling run per model (per-layer latency and accuracy tables) and the same "
+        "The tuner runs as shipped (`autopolicy.search.tune` with its defaults), from an empty cache: its "
+        "*evaluations* are every full-model evaluation it needed to decide (per-layer accuracy costs, when the "
+        "fastest assignment breaks the budget, and verification), and its wall time is the whole run; uniform "
+        "policies it scored only for its report are listed in brackets. The other strategies are handed the "
+        "tuner's per-layer latency table and a complete per-layer accuracy table for free (not counted); their "
+        "evaluations are their own full-model evaluations of the validation metric. All strategies have the same "
         "budget (a 1% relative drop of the validation metric). Their final models are timed end to end together, "
-        "interleaved. *Evaluations* counts each strategy's own full-model evaluations of the validation metric "
-        "(for the tuner: verification; the shared per-layer profile is listed separately).",
+        "interleaved, and scored on validation (the budget) and on held-out test data.",
         "",
         f"![speedups]({figure})",
         "",
@@ -293,7 +312,8 @@ def markdown(results: list[dict], device: str, command: str, figure: str) -> str
                   "|---|---:|---:|---:|---:|---:|:---:|---:|---:|---:|"]
         for r in sorted(res["rows"], key=lambda r: r["latency_s"]):
             oracle = "" if math.isnan(r["ratio_to_oracle"]) else f"{r['ratio_to_oracle']:.3f}"
-            evals = f"{r['evaluations']}" + (f" (+{r['profile_evaluations']} profile)" if r["profile_evaluations"] else "")
+            evals = f"{r['evaluations']}" + (f" (+{r['report_evaluations']} for the report)"
+                                             if r["report_evaluations"] else "")
             test = "" if math.isnan(r["test_drop"]) else f"{r['test_drop']:+.4f}"
             lines.append(f"| {r['strategy']} | {1e3 * r['latency_s']:.3f} | {r['speedup_vs_float32']:.2f} | {oracle} | "
                          f"{r['val_drop']:+.4f} | {test} | {'yes' if r['budget_held'] else 'NO'} | {evals} | "
@@ -317,8 +337,10 @@ def targets(results: list[dict]) -> list[str]:
         out.append(f"- {res['model']}: strategies meeting the budget faster than the tuner by more than 1%: "
                    f"{faster or 'none'}.")
         greedy = rows["greedy fallback (INC basic)"]["evaluations"]
+        verdict = ("met" if 5 * tuner["evaluations"] <= greedy else "missed") if res["model"] == "text_transformer" \
+            else "no target on this model"
         out.append(f"- {res['model']}: tuner evaluations {tuner['evaluations']} vs greedy fallback {greedy} "
-                   f"(target <= 1/5 on text_transformer).")
+                   f"(target <= 1/5 on text_transformer): {verdict}.")
     return out
 
 

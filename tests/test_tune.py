@@ -35,7 +35,7 @@ def val_accuracy(model):
 def result(trained, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     return search.tune(trained, val_accuracy, SAMPLE, max_drop=0.01, repeats=5, progress=False,
-                       cache_dir=str(cache),
+                       cache_dir=str(cache), profile_accuracy="always",
                        test_fn=lambda m: train.evaluate(m, (DIGITS.x_test, DIGITS.y_test))["accuracy"])
 
 
@@ -113,7 +113,8 @@ def test_an_interrupted_run_resumes_without_repeating_work(trained, tmp_path):
         return val_accuracy(model)
 
     candidates = ["float32", "int8_from_float32", "mixed_bfloat16"]
-    kwargs = dict(candidates=candidates, max_drop=0.01, repeats=3, progress=False, cache_dir=str(tmp_path))
+    kwargs = dict(candidates=candidates, max_drop=0.01, repeats=3, progress=False, cache_dir=str(tmp_path),
+                  profile_accuracy="always")
     with pytest.raises(Interrupted):
         search.tune(trained, lambda m: counting(m, fail_after=2), SAMPLE, **kwargs)
     cached = json.loads((tmp_path / "measurements.json").read_text())
@@ -160,3 +161,63 @@ def test_models_the_search_cannot_tune(trained):
         search.tune(nn.Dense(2), lambda m: 1.0, jnp.ones((2, 3)), progress=False)
     with pytest.raises(ValueError, match="already quantized"):
         search.tune(trained.quantize("int8"), val_accuracy, SAMPLE, progress=False)
+
+
+def _int8_ten_times_faster(monkeypatch):
+    """Makes the layer timings say int8 is 10x faster (so the fastest assignment is known
+    whatever machine runs the test)."""
+    from autopolicy.search import profiling
+
+    real = profiling.layer_latency
+
+    def fake(site, variants, *args, **kwargs):
+        table = {k: dict(v) for k, v in real(site, variants, *args, **kwargs).items()}
+        if "int8_from_float32" in table:
+            table["int8_from_float32"]["latency_s"] = table["float32"]["latency_s"] / 10
+        return table
+
+    monkeypatch.setattr(profiling, "layer_latency", fake)
+
+
+def _int8_layers(model):
+    return sum(1 for layer in model.layers_by_path().values()
+               if getattr(layer.dtype_policy, "quantization_mode", None) == "int8")
+
+
+def test_auto_profile_skips_sensitivity_when_the_fastest_assignment_meets_the_budget(trained, monkeypatch):
+    _int8_ten_times_faster(monkeypatch)
+    calls = []
+    result = search.tune(trained, lambda m: calls.append(1) or 1.0 - 0.01 * _int8_layers(m), SAMPLE,
+                         candidates=["float32", "int8_from_float32"], max_drop=0.05, relative=False,
+                         repeats=3, progress=False)
+    s = result.summary
+    assert s["accuracy_profile"] == "skipped"
+    assert s["evaluations"]["profile"] == 0 and s["evaluations"]["verify"] == 1
+    assert [m["round"] for m in s["maps"]] == [1]
+    assert s["maps"][0]["drop"] == pytest.approx(0.03)  # all three layers on int8
+    int8_rows = result.profile[result.profile["policy"] == "int8_from_float32"]
+    assert set(int8_rows["status"]) == {"not needed: the fastest assignment met the budget"}
+    assert result.frontier.empty and "predicted_latency_s" in result.frontier.columns
+    assert len(calls) == 1 + s["evaluations"]["total"]  # the float32 baseline, then the counted ones
+
+
+def test_auto_profile_measures_sensitivity_when_the_fastest_assignment_breaks_the_budget(trained, monkeypatch):
+    _int8_ten_times_faster(monkeypatch)
+    result = search.tune(trained, lambda m: 1.0 - 0.1 * _int8_layers(m), SAMPLE,
+                         candidates=["float32", "int8_from_float32"], max_drop=0.15, relative=False,
+                         repeats=3, progress=False)
+    s = result.summary
+    assert s["accuracy_profile"] == "measured"
+    assert s["evaluations"]["profile"] == 3  # each layer alone on int8
+    assert [m["round"] for m in s["maps"]] == [1, 2]
+    assert s["maps"][0]["drop"] == pytest.approx(0.3) and s["maps"][0]["meets_budget"] is False
+    assert s["maps"][1]["drop"] == pytest.approx(0.1) and s["maps"][1]["meets_budget"] is True
+    measured = result.profile[result.profile["policy"] == "int8_from_float32"]
+    assert list(measured["status"]) == ["measured"] * 3
+    np.testing.assert_allclose(measured["accuracy_cost"], [0.1, 0.1, 0.1], atol=1e-12)
+    assert s["chosen"]["drop"] <= 0.15 + 1e-12
+
+
+def test_profile_accuracy_must_be_auto_or_always(trained):
+    with pytest.raises(ValueError, match=r"\['auto', 'always'\].*profile_accuracy='sometimes'"):
+        search.tune(trained, val_accuracy, SAMPLE, profile_accuracy="sometimes", progress=False)

@@ -66,11 +66,14 @@ def _costs(run: dict[str, Any]) -> list[tuple[str, str]]:
     summary, profile = run["summary"], run["profile"]
     float32_bytes = int(profile.loc[profile["policy"] == tables.FLOAT32, "nbytes"].sum())
     evaluations, cache = summary.get("evaluations") or {}, summary.get("cache") or {}
+    profile_note = (" (per-layer accuracy costs not needed: the fastest assignment met the budget; "
+                    "tune with --profile-accuracy always to measure them)"
+                    if summary.get("accuracy_profile") == "skipped" else "")
     return [
         ("Weight bytes", f"{_num(summary['chosen'].get('nbytes'), ',')} chosen vs "
                          f"{_num(float32_bytes, ',')} in float32"),
         ("Evaluations", f"{evaluations.get('profile', MISSING)} to profile, {evaluations.get('verify', MISSING)} "
-                        f"to verify, {evaluations.get('total', MISSING)} in all"),
+                        f"to verify, {evaluations.get('total', MISSING)} in all{profile_note}"),
         ("Measurement cache", f"{cache.get('hits', MISSING)} hits, {cache.get('misses', MISSING)} misses"),
         ("Wall time", _num(summary.get("wall_time_s"), ".1f", " s")),
     ]

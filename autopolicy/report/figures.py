@@ -28,6 +28,7 @@ _UNMEASURED = {
     "skipped": ("#d9d9d9", "//"),
     "disqualified": ("#8c8c8c", "xx"),
     "not measured": ("#f4f4f4", ".."),
+    "not needed": ("#eaf2fb", "\\\\"),
     "not a candidate": ("white", ""),
 }
 _PROFILED = ("measured", "reference")

@@ -12,6 +12,8 @@ import pandas as pd
 from autopolicy.search import hardware, solver
 
 FLOAT32 = "float32"
+FRONTIER_COLUMNS = ("predicted_accuracy_cost", "predicted_metric", "predicted_latency_s", "nbytes",
+                    "changed_layers", "within_budget", "exact", "policies")
 
 
 def profile_frame(run: Any, winner: dict) -> pd.DataFrame:
@@ -48,10 +50,11 @@ def profile_frame(run: Any, winner: dict) -> pd.DataFrame:
 
 
 def frontier_frame(run: Any) -> pd.DataFrame:
-    """The predicted Pareto frontier: the fastest assignment for every accuracy cost."""
+    """The predicted Pareto frontier: the fastest assignment for every accuracy cost (empty when
+    the accuracy costs were not measured)."""
     layers = run.problem()
     rows = []
-    for solution in solver.frontier(layers, run.memory_budget):
+    for solution in ([] if _skipped(run) else solver.frontier(layers, run.memory_budget)):
         assignment = {k: v for k, v in solution.policies(layers).items() if v != FLOAT32}
         rows.append({
             "predicted_accuracy_cost": solution.accuracy_cost,
@@ -63,7 +66,7 @@ def frontier_frame(run: Any) -> pd.DataFrame:
             "exact": solution.exact,
             "policies": json.dumps(assignment, sort_keys=True),
         })
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=FRONTIER_COLUMNS)
 
 
 def _entry(e: dict, baseline: float) -> dict[str, Any]:
@@ -76,6 +79,11 @@ def _entry(e: dict, baseline: float) -> dict[str, Any]:
         "drop": None if metric is None else baseline - metric,
         "meets_budget": e.get("meets_budget"),
     }
+
+
+def _skipped(run: Any) -> bool:
+    return any(str(entry.get("status", "")).startswith("not needed")
+               for table in run.accuracy.values() for entry in table.values())
 
 
 def summary(run: Any, winner: dict, entries: list[dict], profile_evaluations: int, test_fn) -> dict[str, Any]:
@@ -119,6 +127,7 @@ def summary(run: Any, winner: dict, entries: list[dict], profile_evaluations: in
             "report_only": run.report_evaluations,
             "total": run.scorer.evaluations,
         },
+        "accuracy_profile": "skipped" if _skipped(run) else "measured",
         "cache": {"hits": run.cache.hits, "misses": run.cache.misses},
         "wall_time_s": time.perf_counter() - run.start,
     }

@@ -26,6 +26,8 @@ DEFAULT_CANDIDATES = (
     "float8_from_float32",
 )
 FLOAT32 = "float32"
+PROFILE_ACCURACY = ("auto", "always")
+SKIPPED = "not needed: the fastest assignment met the budget"
 
 
 def _check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds) -> list[policies.DTypePolicy]:
@@ -138,6 +140,16 @@ class _Run:
 
     # --- phase 2: accuracy ---------------------------------------------------------------------
 
+    def skip_accuracy(self, reason: str) -> None:
+        """Records why no layer's accuracy cost was measured (the verified map made it moot)."""
+        for site in self.sites:
+            table = self.accuracy.setdefault(site.path, {FLOAT32: {"metric": self.baseline, "cost": 0.0,
+                                                                   "sqnr_db": math.inf, "kl": 0.0,
+                                                                   "finite": True, "status": "reference"}})
+            for policy in site.candidates[1:]:
+                finite = self.latency[site.path][policy.name]["finite"]
+                table[policy.name] = {"status": reason if finite else "disqualified: non-finite layer output"}
+
     def measure_accuracy(self) -> None:
         todo = [(i, s, p) for i, s in enumerate(self.sites) for p in s.candidates[1:]]
         for i, site, policy in progress(self.progress, todo, "sensitivity", len(todo)):
@@ -168,16 +180,22 @@ class _Run:
 
     # --- phase 3: solve -------------------------------------------------------------------------
 
-    def problem(self, inflate: dict | None = None) -> list[solver.Layer]:
+    def problem(self, inflate: dict | None = None, latency_only: bool = False) -> list[solver.Layer]:
+        """The solver's layers: measured options with their (inflated) accuracy costs, or with
+        ``latency_only`` every option whose layer output stayed finite, at no accuracy cost."""
         inflate = inflate or {}
         layers = []
         for site in self.sites:
             options = []
             for policy in site.candidates:
                 acc = self.accuracy.get(site.path, {}).get(policy.name, {})
-                if policy.name != FLOAT32 and acc.get("status") != "measured":
-                    continue
                 lat = self.latency[site.path][policy.name]
+                if latency_only:
+                    if policy.name != FLOAT32 and not lat["finite"]:
+                        continue
+                    acc = {}
+                elif policy.name != FLOAT32 and acc.get("status") != "measured":
+                    continue
                 cost = acc.get("cost", 0.0)
                 cost = cost * inflate.get((site.path, policy.name), (1.0, 0.0))[0] + inflate.get(
                     (site.path, policy.name), (1.0, 0.0))[1]
@@ -226,6 +244,7 @@ def tune(
     repeats: int = 20,
     max_rounds: int = 3,
     min_speedup: float = 1.02,
+    profile_accuracy: str = "auto",
 ) -> TuneResult:
     """Finds the fastest per-layer policies on this machine whose metric stays within budget.
 
@@ -250,6 +269,11 @@ def tune(
       max_rounds: Verify/repair rounds.
       min_speedup: The chosen configuration must be at least this much faster than float32 end to
         end, or float32 is kept (changes within timing noise are not worth their risk).
+      profile_accuracy: ``"auto"`` first verifies the fastest assignment (every layer on its
+        fastest policy, accuracy ignored) with one evaluation and measures each layer's accuracy
+        cost only if that breaks the budget: the fastest assignment that meets the budget is
+        already optimal. ``"always"`` measures every layer's cost (a complete sensitivity table
+        for the report) before solving.
 
     Returns:
       A :class:`TuneResult`. The map is never slower end to end than the best uniform policy
@@ -263,12 +287,24 @@ def tune(
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup >= 1:
         raise ValueError(f"min_speedup must be a number >= 1. Received: min_speedup={min_speedup!r}")
+    if profile_accuracy not in PROFILE_ACCURACY:
+        raise ValueError(f"profile_accuracy must be one of {list(PROFILE_ACCURACY)}. "
+                         f"Received: profile_accuracy={profile_accuracy!r}")
     run = _Run(model, eval_fn, args, candidate_policies, (max_drop, relative), memory_budget, cache_dir,
                progress, calibration_inputs, repeats, max_rounds, min_speedup)
     run.measure_latency()
-    run.measure_accuracy()
-    profile_evaluations = run.scorer.evaluations
-    tried = verify.solve_and_verify(run)
+    tried: list[dict] = []
+    settled = False
+    if profile_accuracy == "auto":
+        tried, settled = verify.fastest_first(run)
+    before = run.scorer.evaluations
+    if settled:
+        run.skip_accuracy(SKIPPED)
+    else:
+        run.measure_accuracy()
+    profile_evaluations = run.scorer.evaluations - before
+    if not settled:
+        tried += verify.solve_and_verify(run, tried)
     winner, entries = verify.choose(run, tried)
     from autopolicy.search import _report_tables  # pylint: disable=import-outside-toplevel
 

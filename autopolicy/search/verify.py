@@ -11,7 +11,7 @@ from autopolicy.search import solver, timing
 from autopolicy.search._progress import progress
 from autopolicy.search.cache import key
 
-__all__ = ["solve_and_verify", "choose"]
+__all__ = ["fastest_first", "solve_and_verify", "choose"]
 
 FLOAT32 = "float32"
 
@@ -23,28 +23,60 @@ def evaluate_map(run: Any, name: str, policy_map: policies.DTypePolicyMap, model
     return float(value)
 
 
-def solve_and_verify(run: Any) -> list[dict]:
+def _verified(run: Any, round_index: int, layers: list, solution: Any) -> dict:
+    """The solution's map, built and scored end to end (cached)."""
+    assignment = solution.policies(layers)
+    policy_map = run.policy_map(assignment)
+    model = run.variant(policy_map)
+    metric = evaluate_map(run, f"round {round_index}", policy_map, model)
+    return {"name": f"map (round {round_index})", "assignment": assignment, "policy_map": policy_map,
+            "model": model, "metric": metric, "predicted_cost": solution.accuracy_cost, "exact": solution.exact,
+            "predicted_latency_s": solution.latency, "round": round_index}
+
+
+def _meets(run: Any, entry: dict) -> bool:
+    return math.isfinite(entry["metric"]) and run.baseline - entry["metric"] <= run.budget + 1e-12
+
+
+def fastest_first(run: Any) -> tuple[list[dict], bool]:
+    """Verifies the fastest assignment (accuracy ignored) with one evaluation.
+
+    Returns the verified entries and whether the search is settled: the fastest assignment met
+    the budget (no assignment can be faster, so per-layer accuracy costs cannot change the
+    choice), or it keeps every layer in float32 (nothing is faster to try).
+    """
+    layers = run.problem(latency_only=True)
+    solution = solver.solve(layers, math.inf, run.memory_budget)
+    if solution is None:
+        return [], False
+    if all(name == FLOAT32 for name in solution.policies(layers).values()):
+        return [], True
+    entry = _verified(run, 1, layers, solution)
+    entry["predicted_cost"] = None  # the costs were not measured, only ignored
+    return [entry], _meets(run, entry)
+
+
+def solve_and_verify(run: Any, tried: list[dict] | None = None) -> list[dict]:
     """Solves, verifies the map end to end, and while the budget breaks, scales the costs of
-    the layers it changed by what was observed and solves again (bounded rounds)."""
+    the layers it changed by what was observed and solves again (bounded rounds).
+
+    ``tried``: maps verified before (not repeated); the new ones are returned."""
     inflate: dict = {}
-    tried: list[dict] = []
-    for round_index in progress(run.progress, range(run.max_rounds), "solve and verify"):
+    previous = list(tried or [])
+    tried = []
+    for offset in progress(run.progress, range(run.max_rounds), "solve and verify"):
+        round_index = len(previous) + offset + 1
         layers = run.problem(inflate)
         solution = solver.solve(layers, run.budget, run.memory_budget)
         if solution is None:
             break
         assignment = solution.policies(layers)
-        if any(t["assignment"] == assignment for t in tried):
+        if any(t["assignment"] == assignment for t in previous + tried):
             break
-        policy_map = run.policy_map(assignment)
-        model = run.variant(policy_map)
-        metric = evaluate_map(run, f"round {round_index + 1}", policy_map, model)
-        drop = run.baseline - metric
-        tried.append({"name": f"map (round {round_index + 1})", "assignment": assignment,
-                      "policy_map": policy_map, "model": model, "metric": metric,
-                      "predicted_cost": solution.accuracy_cost, "exact": solution.exact,
-                      "predicted_latency_s": solution.latency, "round": round_index + 1})
-        if drop <= run.budget + 1e-12 or not math.isfinite(metric):
+        entry = _verified(run, round_index, layers, solution)
+        tried.append(entry)
+        drop = run.baseline - entry["metric"]
+        if _meets(run, entry) or not math.isfinite(entry["metric"]):
             break
         changed = [(p, n) for p, n in assignment.items() if n != FLOAT32]
         excess = drop - solution.accuracy_cost
