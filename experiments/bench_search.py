@@ -49,6 +49,11 @@ MODELS = ("digits_mlp", "digits_cnn", "text_transformer")
 ORACLE_MODELS = ("digits_mlp",)
 
 
+def config_key(assignment: dict[str, str]) -> str:
+    """One string per configuration: its non-float32 layers, sorted."""
+    return json.dumps(sorted((k, v) for k, v in assignment.items() if v != FLOAT32))
+
+
 class Counter:
     """Counts full-model evaluations (with a memo, so re-testing a configuration is free)."""
 
@@ -56,7 +61,7 @@ class Counter:
         self.exp, self.base, self.count, self.memo = exp, base, 0, {}
 
     def metric(self, assignment: dict[str, str]) -> float:
-        key = json.dumps(sorted((k, v) for k, v in assignment.items() if v != FLOAT32))
+        key = config_key(assignment)
         if key not in self.memo:
             self.count += 1
             self.memo[key] = float(self.exp.eval_fn(model_for(self.base, assignment, self.exp)))
@@ -265,15 +270,15 @@ def finish(name, exp, base, configs, baseline, budget, repeats) -> dict[str, Any
     """Times every strategy's final model together and scores each on validation and test."""
     # Strategies that reach the same configuration share one model and one timing: the same
     # model timed twice differs only by noise, which must not rank the strategies.
-    def same(c):
-        return json.dumps(sorted((k, v) for k, v in c["assignment"].items() if v != FLOAT32))
-
-    distinct = {same(c): model_for(base, c["assignment"], exp) for c in configs.values()}
-    models = {label: distinct[same(c)] for label, c in configs.items()}
+    distinct: dict[str, Any] = {}
+    for c in configs.values():
+        if config_key(c["assignment"]) not in distinct:
+            distinct[config_key(c["assignment"])] = model_for(base, c["assignment"], exp)
+    models = {label: distinct[config_key(c["assignment"])] for label, c in configs.items()}
     args = exp.sample_input if isinstance(exp.sample_input, tuple) else (exp.sample_input,)
     timed = timing.measure({k: timing.Candidate(lambda m, *a: m(*a), args, m) for k, m in distinct.items()},
                            repeats=3 * repeats)
-    times = {label: timed[same(c)] for label, c in configs.items()}
+    times = {label: timed[config_key(c["assignment"])] for label, c in configs.items()}
     test_base = exp.test_fn(base) if exp.test_fn else math.nan
     rows = []
     for label, c in configs.items():

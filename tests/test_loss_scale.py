@@ -10,19 +10,9 @@ import pytest
 
 import autopolicy as ap
 from autopolicy.numerics import find_loss_scale_state
+from helpers import assert_bit_identical
 
 INF, NAN = float("inf"), float("nan")
-
-
-def assert_bit_identical(a, b):
-    """Same structure and, leaf by leaf, the same dtype, shape and bytes (-0.0 != 0.0, NaN == NaN)."""
-    leaves_a, tree_a = jax.tree_util.tree_flatten(a)
-    leaves_b, tree_b = jax.tree_util.tree_flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert np.array_equal(x, y, equal_nan=True) and x.tobytes() == y.tobytes()
 
 
 def standard_promotion(opt):

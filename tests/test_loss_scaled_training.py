@@ -16,6 +16,7 @@ from autopolicy.mixed_precision import Policy
 from autopolicy.nn._partition import combine, partition
 from autopolicy.numerics import float8
 from autopolicy.train.loop import LOSS_SCALE_CHOICES, _make_step
+from helpers import assert_bit_identical
 
 DIGITS = datasets.digits()
 # 1056 = 33 batches of 32: one batch shape, so each run compiles its step once.
@@ -52,16 +53,6 @@ TINY_DATA = (
 
 def accuracy(model):
     return train.evaluate(model, (DIGITS.x_test, DIGITS.y_test), ["accuracy"])["accuracy"]
-
-
-def assert_bit_identical(a, b):
-    leaves_a, tree_a = jax.tree_util.tree_flatten(a)
-    leaves_b, tree_b = jax.tree_util.tree_flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert np.array_equal(x, y) and x.tobytes() == y.tobytes()
 
 
 def batch(i):

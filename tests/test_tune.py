@@ -1,7 +1,6 @@
 """The tuner end to end on a small digits MLP: budget, summary, files, overflow, resume, errors."""
 
 import json
-import math
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +8,6 @@ import numpy as np
 import optax
 import pytest
 
-import autopolicy as ap
 import autopolicy.nn as nn
 from autopolicy import datasets, search, train
 

@@ -16,7 +16,7 @@ import jax
 
 from autopolicy import policies
 from autopolicy.nn import _context
-from autopolicy.nn._module import Module, is_module
+from autopolicy.nn._module import Module
 from autopolicy.nn.calibration import calibrate
 
 __all__ = ["LayerCall", "TunableModel", "NNModel"]
@@ -39,11 +39,7 @@ class TunableModel(Protocol):
 
     def tunable_layers(self) -> "OrderedDict[str, Any]": ...
 
-    def supported_modes(self, path: str) -> tuple[str, ...]: ...
-
     def record_calls(self, *args: Any, **kwargs: Any) -> "OrderedDict[str, LayerCall]": ...
-
-    def call_layer(self, layer: Any, args: tuple, kwargs: dict) -> Any: ...
 
     def layer_with_policy(self, path: str, policy: Any) -> Any: ...
 
@@ -66,17 +62,10 @@ class NNModel:
                 f"Tune the float model, not a quantized one: {quantized} are already quantized."
             )
         self.model = model.with_dtype_policy("float32")
-        self._layers = model.layers_by_path()
 
     def tunable_layers(self) -> "OrderedDict[str, Module]":
         """The leaf layers whose policy matters, in execution order."""
         return OrderedDict((p, m) for p, m in self.model.layers_by_path().items() if m.tunable)
-
-    def all_layers(self) -> "OrderedDict[str, Module]":
-        return self.model.layers_by_path()
-
-    def supported_modes(self, path: str) -> tuple[str, ...]:
-        return self.model.layers_by_path()[path].supported_quantization_modes
 
     def record_calls(self, *args: Any, **kwargs: Any) -> "OrderedDict[str, LayerCall]":
         """Runs the float model once and records every leaf layer's first call."""
@@ -102,9 +91,6 @@ class NNModel:
             self.model(*args, **kwargs)
         return calls
 
-    def call_layer(self, layer: Module, args: tuple, kwargs: dict) -> Any:
-        return layer(*args, **kwargs)
-
     def layer_with_policy(self, path: str, policy: Any) -> Module:
         layer = self.model.layers_by_path()[path]
         return layer.with_dtype_policy(policy)
@@ -114,7 +100,3 @@ class NNModel:
 
     def calibrate(self, model: Module, batches: Iterable[Any]) -> Module:
         return calibrate(model, batches)
-
-
-def is_nn_model(model: Any) -> bool:
-    return is_module(model)

@@ -3,7 +3,6 @@ fastest per-layer assignment within an accuracy budget, verify it end to end, em
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -140,12 +139,15 @@ class _Run:
 
     # --- phase 2: accuracy ---------------------------------------------------------------------
 
+    def _accuracy_table(self, path: str) -> dict:
+        """The layer's accuracy table, created with its float32 reference row."""
+        return self.accuracy.setdefault(path, {FLOAT32: {"metric": self.baseline, "cost": 0.0, "sqnr_db": math.inf,
+                                                         "kl": 0.0, "finite": True, "status": "reference"}})
+
     def skip_accuracy(self, reason: str) -> None:
         """Records why no layer's accuracy cost was measured (the verified map made it moot)."""
         for site in self.sites:
-            table = self.accuracy.setdefault(site.path, {FLOAT32: {"metric": self.baseline, "cost": 0.0,
-                                                                   "sqnr_db": math.inf, "kl": 0.0,
-                                                                   "finite": True, "status": "reference"}})
+            table = self._accuracy_table(site.path)
             for policy in site.candidates[1:]:
                 finite = self.latency[site.path][policy.name]["finite"]
                 table[policy.name] = {"status": reason if finite else "disqualified: non-finite layer output"}
@@ -154,9 +156,7 @@ class _Run:
         todo = [(i, s, p) for i, s in enumerate(self.sites) for p in s.candidates[1:]]
         for i, site, policy in progress(self.progress, todo, "sensitivity", len(todo)):
             record = self.latency[site.path][policy.name]
-            table = self.accuracy.setdefault(site.path, {FLOAT32: {"metric": self.baseline, "cost": 0.0,
-                                                                   "sqnr_db": math.inf, "kl": 0.0,
-                                                                   "finite": True, "status": "reference"}})
+            table = self._accuracy_table(site.path)
             if not record["finite"]:
                 table[policy.name] = {"status": "disqualified: non-finite layer output"}
                 continue
