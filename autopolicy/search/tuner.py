@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from autopolicy import policies
 from autopolicy.nn.protocol import NNModel
-from autopolicy.search import hardware, profiling, solver, verify
+from autopolicy.search import _checks, hardware, profiling, solver, verify
 from autopolicy.search._progress import progress
 from autopolicy.search.cache import MeasurementCache, key, weights_digest
 from autopolicy.search.result import TuneResult
@@ -27,27 +27,6 @@ DEFAULT_CANDIDATES = (
 FLOAT32 = "float32"
 PROFILE_ACCURACY = ("auto", "always")
 SKIPPED = "not needed: the fastest assignment met the budget"
-
-
-def _check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds) -> list[policies.DTypePolicy]:
-    if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not max_drop >= 0:
-        raise ValueError(f"max_drop must be a number >= 0. Received: max_drop={max_drop!r}")
-    if memory_budget is not None and (isinstance(memory_budget, bool) or not memory_budget > 0):
-        raise ValueError(f"memory_budget must be a number of bytes > 0 or None. Received: {memory_budget!r}")
-    for name, value, low in (("repeats", repeats, 3), ("max_rounds", max_rounds, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}. Received: {name}={value!r}")
-    if isinstance(candidates, (str, policies.DTypePolicy)) or not candidates:
-        raise ValueError(f"candidates must be a non-empty list of policies. Received: {candidates!r}")
-    out = []
-    for c in candidates:
-        policy = policies.get(c) if c is not None else None
-        if policy is None or isinstance(policy, policies.DTypePolicyMap):
-            raise ValueError(f"Each candidate must be a single policy. Received: {c!r}")
-        if policy.compute_dtype not in ("float32", "bfloat16", "float16", "float64"):
-            raise ValueError(f"Candidate {policy.name!r} does not compute in a float dtype.")
-        out.append(policy)
-    return out
 
 
 class _Run:
@@ -283,7 +262,7 @@ def tune(
       ValueError: for an unknown candidate, a negative budget, an unbuilt or quantized model, a
         model without tunable layers, or an ``eval_fn`` that raises or returns a non-finite value.
     """
-    candidate_policies = _check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds)
+    candidate_policies = _checks.check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds)
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup >= 1:
         raise ValueError(f"min_speedup must be a number >= 1. Received: min_speedup={min_speedup!r}")
