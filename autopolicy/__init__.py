@@ -31,7 +31,7 @@ from autopolicy.policies import (
     set_dtype_policy,
 )
 
-__version__ = "0.1.0"
+from autopolicy._version import __version__
 
 __all__ = [
     # modules

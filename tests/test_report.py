@@ -1,5 +1,5 @@
 """The report of a run directory: files, contents, tables, figures, and errors, on small
-synthetic runs written through ``TuneResult.save`` (no tuning here)."""
+synthetic runs written by ``TuneResult.save``'s writer (no tuning here)."""
 
 import json
 import math
@@ -93,11 +93,11 @@ def _frontier() -> pd.DataFrame:
 
 
 def write_run(run_dir, all_float32=False) -> str:
-    """A small run directory, written by the real ``TuneResult.save``."""
+    """A small run directory, written by the real ``TuneResult.save`` writer."""
     chosen = {} if all_float32 else MIXED
     entries = {**chosen, "net/act": "mixed_bfloat16"} if chosen else {}  # a follower of net/dense_1
     policy_map = policies.DTypePolicyMap("float32", entries)
-    search.TuneResult(policy_map, None, _profile(chosen), _frontier(), _summary(all_float32)).save(run_dir)
+    search.result.write_run(run_dir, policy_map, _profile(chosen), _frontier(), _summary(all_float32))
     return os.fspath(run_dir)
 
 

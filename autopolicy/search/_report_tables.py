@@ -1,136 +1,131 @@
-"""The tables and summary a tuning run returns (pandas is imported only here, lazily)."""
+"""The tables and summary of a tuning run: pure functions of its typed phases (pandas is
+imported only here, lazily)."""
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from typing import Any
 
 import pandas as pd
 
 from autopolicy.search import hardware, solver
+from autopolicy.search._defaults import REFERENCE
+from autopolicy.search.phases import AccuracyProfile, Budget, Configuration, LatencyProfile, Status
+from autopolicy.search.verify import make_problem
 
-FLOAT32 = "float32"
 FRONTIER_COLUMNS = ("predicted_accuracy_cost", "predicted_metric", "predicted_latency_s", "nbytes",
                     "changed_layers", "within_budget", "exact", "policies")
 
 
-def profile_frame(run: Any, winner: dict) -> pd.DataFrame:
+def profile_frame(latency: LatencyProfile, accuracy: AccuracyProfile, chosen: Configuration) -> pd.DataFrame:
     """One row per layer and candidate policy."""
     rows = []
-    for site in run.sites:
+    for site in latency.sites:
         for policy in site.candidates:
-            lat = run.latency[site.path][policy.name]
-            acc = run.accuracy.get(site.path, {}).get(policy.name, {})
+            t = latency.timing(site.path, policy.name)
+            acc = accuracy.get(site.path, policy.name)
             rows.append({
                 "index": site.index,
                 "layer": site.path,
-                "class": type(site.layer).__name__,
+                "class": site.layer.kind,
                 "input_shape": "x".join(str(d) for d in site.input_shape),
                 "chained": site.chained,
                 "policy": policy.name,
                 "compute_dtype": policy.compute_dtype,
-                "latency_s": lat["latency_s"],
-                "latency_p25_s": lat["latency_p25"],
-                "latency_p75_s": lat["latency_p75"],
-                "latency_cv": lat["latency_cv"],
-                "repeats": lat["latency_repeats"],
-                "inner": lat["latency_inner"],
-                "nbytes": lat["nbytes"],
-                "finite_output": lat["finite"],
-                "metric": acc.get("metric", math.nan),
-                "accuracy_cost": acc.get("cost", math.nan),
-                "sqnr_db": acc.get("sqnr_db", math.nan),
-                "kl": acc.get("kl", math.nan),
-                "status": acc.get("status", "reference" if policy.name == FLOAT32 else "not measured"),
-                "chosen": winner["assignment"].get(site.path, FLOAT32) == policy.name,
+                "kernel": t.kernel,
+                "latency_s": t.latency_s,
+                "latency_p25_s": t.latency_p25_s,
+                "latency_p75_s": t.latency_p75_s,
+                "latency_cv": t.latency_cv,
+                "repeats": t.repeats,
+                "inner": t.inner,
+                "nbytes": t.nbytes,
+                "finite_output": t.finite,
+                "metric": acc.metric if acc else math.nan,
+                "accuracy_cost": acc.cost if acc else math.nan,
+                "sqnr_db": acc.sqnr_db if acc else math.nan,
+                "kl": acc.kl if acc else math.nan,
+                "status": acc.status if acc else "not measured",
+                "chosen": chosen.assignment.get(site.path, REFERENCE) == policy.name,
             })
     return pd.DataFrame(rows)
 
 
-def frontier_frame(run: Any) -> pd.DataFrame:
+def frontier_frame(latency: LatencyProfile, accuracy: AccuracyProfile, budget: Budget) -> pd.DataFrame:
     """The predicted Pareto frontier: the fastest assignment for every accuracy cost (empty when
     the accuracy costs were not measured)."""
-    layers = run.problem()
     rows = []
-    for solution in ([] if _skipped(run) else solver.frontier(layers, run.memory_budget)):
-        assignment = {k: v for k, v in solution.policies(layers).items() if v != FLOAT32}
-        rows.append({
-            "predicted_accuracy_cost": solution.accuracy_cost,
-            "predicted_metric": run.baseline - solution.accuracy_cost,
-            "predicted_latency_s": solution.latency,
-            "nbytes": solution.nbytes,
-            "changed_layers": len(assignment),
-            "within_budget": solution.accuracy_cost <= run.budget + 1e-12,
-            "exact": solution.exact,
-            "policies": json.dumps(assignment, sort_keys=True),
-        })
+    if accuracy.measured:
+        problem = make_problem(latency, accuracy, budget.allowed_drop, budget.memory_budget)
+        for solution in solver.frontier(problem.layers, budget.memory_budget):
+            assignment = {k: v for k, v in solution.policies(problem.layers).items() if v != REFERENCE}
+            rows.append({
+                "predicted_accuracy_cost": solution.accuracy_cost,
+                "predicted_metric": budget.baseline_metric - solution.accuracy_cost,
+                "predicted_latency_s": solution.latency,
+                "nbytes": solution.nbytes,
+                "changed_layers": len(assignment),
+                "within_budget": solution.accuracy_cost <= budget.allowed_drop + 1e-12,
+                "exact": solution.exact,
+                "policies": json.dumps(assignment, sort_keys=True),
+            })
     return pd.DataFrame(rows, columns=FRONTIER_COLUMNS)
 
 
-def _entry(e: dict, baseline: float) -> dict[str, Any]:
-    metric = e.get("metric")
+def _entry(e: Configuration, baseline: float) -> dict[str, Any]:
     return {
-        "predicted_latency_s": e.get("predicted_latency_s"),
-        "measured_latency_s": e.get("measured_latency_s"),
-        "measured_latency_cv": e.get("measured_latency_cv"),
-        "metric": metric,
-        "drop": None if metric is None else baseline - metric,
-        "meets_budget": e.get("meets_budget"),
+        "predicted_latency_s": e.predicted_latency_s,
+        "measured_latency_s": e.measured_latency_s,
+        "measured_latency_cv": e.measured_latency_cv,
+        "metric": e.metric,
+        "drop": None if e.metric is None else baseline - e.metric,
+        "meets_budget": e.meets_budget,
     }
 
 
-def _skipped(run: Any) -> bool:
-    return any(str(entry.get("status", "")).startswith("not needed")
-               for table in run.accuracy.values() for entry in table.values())
-
-
-def summary(run: Any, winner: dict, entries: list[dict], profile_evaluations: int, test_fn) -> dict[str, Any]:
-    uniforms = {e["name"].removeprefix("uniform "): e for e in entries if e["name"].startswith("uniform ")}
-    maps = [e for e in entries if "round" in e]
-    float32 = uniforms[FLOAT32]
-    meeting = [e for e in uniforms.values() if e.get("meets_budget")]
-    best_uniform = min(meeting, key=lambda e: e["measured_latency_s"])
-    chosen_bytes = sum(
-        run.latency[s.path][winner["assignment"].get(s.path, FLOAT32)]["nbytes"] for s in run.sites
-    )
+def summary(result: Any) -> dict[str, Any]:
+    """The run's figures as JSON-able dicts (``summary.json``), from a ``TuneResult``."""
+    budget, chosen = result.budget, result.chosen
+    uniforms = {e.uniform: e for e in result.configurations if e.kind == "uniform"}
+    maps = [e for e in result.configurations if e.kind == "map"]
+    float32 = uniforms[REFERENCE]
+    best_uniform = min((e for e in uniforms.values() if e.meets_budget), key=lambda e: e.measured_latency_s)
+    baseline = budget.baseline_metric
     out: dict[str, Any] = {
-        "device": hardware.describe(run.hardware),
-        "hardware": run.hardware,
-        "fingerprint": run.fingerprint,
+        "device": hardware.describe(result.hardware),
+        "hardware": result.hardware,
+        "fingerprint": result.fingerprint,
         "budget": {
-            "baseline_metric": run.baseline,
-            "allowed_drop": run.budget,
-            "min_metric": run.baseline - run.budget,
-            "memory_budget": run.memory_budget,
+            "baseline_metric": baseline,
+            "allowed_drop": budget.allowed_drop,
+            "min_metric": budget.min_metric,
+            "memory_budget": budget.memory_budget,
         },
-        "candidates": [c.name for c in run.candidates],
-        "layers": len(run.sites),
+        "candidates": list(result.candidates),
+        "layers": len(result.latency.sites),
         "chosen": {
-            "name": winner["name"],
-            "policies": {k: v for k, v in winner["assignment"].items() if v != FLOAT32},
-            "predicted_accuracy_cost": winner.get("predicted_cost"),
-            "nbytes": chosen_bytes,
-            **_entry(winner, run.baseline),
+            "name": chosen.name,
+            "policies": chosen.changed,
+            "predicted_accuracy_cost": chosen.predicted_accuracy_cost,
+            "nbytes": result.latency.nbytes(chosen.assignment),
+            **_entry(chosen, baseline),
         },
-        "float32": _entry(float32, run.baseline),
-        "best_uniform": best_uniform["name"].removeprefix("uniform "),
-        "speedup_vs_float32": float32["measured_latency_s"] / winner["measured_latency_s"],
-        "speedup_vs_best_uniform": best_uniform["measured_latency_s"] / winner["measured_latency_s"],
-        "uniform": {name: _entry(e, run.baseline) for name, e in uniforms.items()},
-        "maps": [{"round": e["round"], "predicted_accuracy_cost": e["predicted_cost"], "exact": e["exact"],
-                  **_entry(e, run.baseline)} for e in maps],
-        "evaluations": {
-            "profile": profile_evaluations,
-            "verify": run.scorer.evaluations - profile_evaluations - run.report_evaluations,
-            "report_only": run.report_evaluations,
-            "total": run.scorer.evaluations,
-        },
-        "accuracy_profile": "skipped" if _skipped(run) else "measured",
-        "cache": {"hits": run.cache.hits, "misses": run.cache.misses},
-        "wall_time_s": time.perf_counter() - run.start,
+        "float32": _entry(float32, baseline),
+        "best_uniform": best_uniform.uniform,
+        "speedup_vs_float32": float32.measured_latency_s / chosen.measured_latency_s,
+        "speedup_vs_best_uniform": best_uniform.measured_latency_s / chosen.measured_latency_s,
+        "uniform": {name: _entry(e, baseline) for name, e in uniforms.items()},
+        "maps": [{"round": e.round, "predicted_accuracy_cost": e.predicted_accuracy_cost, "exact": e.exact,
+                  **_entry(e, baseline)} for e in maps],
+        "evaluations": dict(result.evaluations),
+        "accuracy_profile": "measured" if result.accuracy.measured else "skipped",
+        "cache": dict(result.cache_stats),
+        "wall_time_s": result.wall_time_s,
     }
-    if test_fn is not None:
-        out["test"] = {"float32": float(test_fn(run.base)), "chosen": float(test_fn(winner["model"]))}
+    if result.test is not None:
+        out["test"] = dict(result.test)
     return out
+
+
+__all__ = ["profile_frame", "frontier_frame", "summary", "FRONTIER_COLUMNS", "Status"]

@@ -70,6 +70,23 @@ class MeasurementCache:
         self._dirty = True
         return value
 
+    def lookup(self, cache_key: str) -> Any:
+        """The cached value for ``cache_key`` (counted as a hit), or None (not counted)."""
+        if cache_key in self.entries:
+            self.hits += 1
+            return self.entries[cache_key]
+        return None
+
+    def __enter__(self) -> "MeasurementCache":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Writes what is new; the cache can still be read afterwards."""
+        self.flush()
+
     def __contains__(self, cache_key: str) -> bool:
         return cache_key in self.entries
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 
+from autopolicy._version import __version__
+
 __all__ = ["detect", "fingerprint", "describe", "CPU_FEATURES"]
 
 # CPU flags that decide which low-precision kernels can be fast.
@@ -61,8 +63,6 @@ def detect() -> dict[str, Any]:
     """The target: platform, device kind and count, CPU features or GPU compute capability,
     and the versions that change what XLA compiles."""
     import jaxlib  # pylint: disable=import-outside-toplevel
-
-    from autopolicy import __version__  # pylint: disable=import-outside-toplevel
 
     device = jax.devices()[0]
     info: dict[str, Any] = {

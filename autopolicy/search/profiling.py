@@ -1,90 +1,41 @@
-"""Latency of every layer under every candidate policy, and of casts between compute dtypes."""
+"""Phase 1, latency: every tunable layer under every candidate policy, and casts between dtypes."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections import OrderedDict
 from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from autopolicy import policies
-from autopolicy.nn.protocol import LayerCall
 from autopolicy.search import timing
+from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
+from autopolicy.search._progress import progress as bar
+from autopolicy.search.adapter import ModelAdapter, TunableLayer
 from autopolicy.search.cache import MeasurementCache, key
+from autopolicy.search.phases import LatencyProfile, LayerTiming, Site
 
-__all__ = ["LayerSite", "sites", "candidates_for", "layer_latency", "cast_latency", "cast_input", "profile"]
-
-
-@dataclasses.dataclass
-class LayerSite:
-    """A tunable layer where it sits in the model: its real inputs and its producer."""
-
-    index: int
-    path: str
-    layer: Any
-    call: LayerCall
-    chained: bool  # its first input is the previous tunable layer's output
-    candidates: list[policies.DTypePolicy]
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        first = jax.tree_util.tree_leaves((self.call.args, self.call.kwargs))[0]
-        return tuple(np.shape(first))
-
-    def signature(self) -> dict[str, Any]:
-        """What the layer's latency depends on: class, configuration, weight shapes, inputs."""
-        shapes = [(tuple(np.shape(x)), str(jnp.result_type(x))) for x in jax.tree_util.tree_leaves(self.layer)]
-        inputs = [(tuple(np.shape(x)), str(jnp.result_type(x)))
-                  for x in jax.tree_util.tree_leaves((self.call.args, self.call.kwargs))]
-        config = self.layer.__dict__.get("_config") or type(self.layer).__name__
-        return {"class": type(self.layer).__name__, "config": config, "weights": shapes, "inputs": inputs}
+__all__ = ["sites", "candidates_for", "measure_latency", "layer_latency", "cast_latency", "profile"]
 
 
-def candidates_for(layer: Any, candidates: Sequence[policies.DTypePolicy]) -> list[policies.DTypePolicy]:
+def candidates_for(layer: TunableLayer, candidates: Sequence[policies.DTypePolicy]) -> tuple[policies.DTypePolicy, ...]:
     """float32 first, then the candidates this layer can run (quantized ones need a kernel)."""
-    out = [policies.DTypePolicy("float32")]
+    out = [policies.DTypePolicy(REFERENCE)]
     for policy in candidates:
-        mode = policy.quantization_mode
-        if mode is not None and mode not in layer.supported_quantization_modes:
-            continue
-        if policy not in out:
+        if layer.supports(policy) and policy not in out:
             out.append(policy)
-    return out
+    return tuple(out)
 
 
-def sites(
-    tunable: "OrderedDict[str, Any]",
-    calls: "OrderedDict[str, LayerCall]",
-    candidates: Sequence[policies.DTypePolicy],
-) -> list[LayerSite]:
-    """The tunable layers that ran on the sample input, in execution order."""
-    ordered = [p for p in calls if p in tunable]
+def sites(layers: Sequence[TunableLayer], candidates: Sequence[policies.DTypePolicy]) -> tuple[Site, ...]:
+    """The tunable layers as the solver's chain: a layer is chained to the one before it when it
+    consumes that layer's output."""
     out = []
-    for i, path in enumerate(ordered):
-        producer = calls[path].producer
-        chained = i > 0 and producer == ordered[i - 1]
-        out.append(LayerSite(i, path, tunable[path], calls[path], chained, candidates_for(tunable[path], candidates)))
-    return out
-
-
-def cast_input(args: Any, dtype: str) -> Any:
-    """Casts the floating arrays of ``args`` to ``dtype`` (what autocast would do)."""
-    target = jnp.dtype(dtype)
-
-    def leaf(x):
-        if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating):
-            return jnp.asarray(x).astype(target)
-        return x
-
-    return jax.tree_util.tree_map(leaf, args)
-
-
-def _call_layer(layer, args, kwargs):
-    return layer(*args, **kwargs)
+    for i, layer in enumerate(layers):
+        chained = i > 0 and layer.producer == layers[i - 1].path
+        out.append(Site(i, layer, chained, candidates_for(layer, candidates)))
+    return tuple(out)
 
 
 def _finite(out: Any) -> bool:
@@ -93,42 +44,39 @@ def _finite(out: Any) -> bool:
 
 
 def layer_latency(
-    site: LayerSite,
-    variants: dict[str, Any],
+    adapter: ModelAdapter,
+    site: Site,
     cache: MeasurementCache,
     fingerprint: str,
     repeats: int,
-) -> dict[str, dict[str, Any]]:
-    """Times the layer under each candidate (interleaved) on its real input.
+) -> dict[str, LayerTiming]:
+    """Times the layer under each of its candidates (interleaved) on its real input.
 
-    Returns ``{policy: {"latency_s", "latency_p25_s", "latency_p75_s", "latency_cv", "repeats",
-    "inner", "finite", "nbytes"}}``; ``finite`` says whether its output on the real input is
-    free of inf/NaN (a float16 overflow disqualifies the policy).
+    Layers with equal signatures share their cached timings: identical blocks are timed once.
+    ``finite`` says whether the output on the real input is free of inf/NaN (a float16 overflow
+    disqualifies the policy).
     """
-    signature = site.signature()
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, LayerTiming] = {}
     todo: dict[str, timing.Candidate] = {}
     keys = {}
-    for name, layer in variants.items():
-        keys[name] = key(fingerprint, "latency", signature, name, repeats, timing.METHOD)
-        if keys[name] in cache:
-            out[name] = cache.entries[keys[name]]
+    for policy in site.candidates:
+        keys[policy.name] = key(fingerprint, "latency", site.layer.signature, policy.name, repeats, timing.METHOD)
+        cached = cache.lookup(keys[policy.name])
+        if cached is not None:
+            out[policy.name] = LayerTiming.from_record(cached)
             continue
-        policy = policies.get(name)
-        args, kwargs = cast_input((site.call.args, site.call.kwargs), policy.compute_dtype)
-        todo[name] = timing.Candidate(lambda lay, a, k: _call_layer(lay, a, k), (args, kwargs), layer)
+        program = adapter.layer_program(site.path, policy)
+        todo[policy.name] = timing.Candidate(program.fn, program.args, program.state)
     if todo:
         timings = timing.measure(todo, repeats=repeats)
         for name, cand in todo.items():
-            result = cand.fn(cand.state, *cand.inputs)
-            record = {
-                **timings[name].as_dict("latency_"),
-                "finite": _finite(result),
-                "nbytes": int(variants[name].nbytes()),
-            }
-            record["latency_s"] = record.pop("latency_median")
-            out[name] = cache.get_or_measure(keys[name], lambda r=record: r)
-    return {name: out[name] for name in variants}
+            result = jax.jit(cand.fn)(cand.state, *cand.inputs)
+            t = timings[name]
+            record = {"latency_s": t.median, "latency_p25_s": t.p25, "latency_p75_s": t.p75, "latency_cv": t.cv,
+                      "repeats": t.repeats, "inner": t.inner, "finite": _finite(result),
+                      "nbytes": adapter.layer_bytes(site.path, policies.get(name))}
+            out[name] = LayerTiming.from_record(cache.get_or_measure(keys[name], lambda r=record: r))
+    return {p.name: out[p.name] for p in site.candidates}
 
 
 def cast_latency(
@@ -143,11 +91,12 @@ def cast_latency(
         name = json.dumps([list(shape), source, target])
         keys[name] = (key(fingerprint, "cast", list(shape), source, target, repeats, timing.METHOD),
                       (shape, source, target))
-        if keys[name][0] in cache:
-            result[keys[name][1]] = cache.entries[keys[name][0]]
+        cached = cache.lookup(keys[name][0])
+        if cached is not None:
+            result[keys[name][1]] = cached
             continue
         x = jnp.ones(shape, jnp.dtype(source))
-        todo[name] = timing.Candidate(lambda a, t=jnp.dtype(target): a.astype(t), (x,))
+        todo[name] = timing.Candidate(lambda _, a, t=jnp.dtype(target): a.astype(t), (x,))
     if todo:
         timings = timing.measure(todo, repeats=repeats)
         for name in todo:
@@ -156,14 +105,41 @@ def cast_latency(
     return result
 
 
+def _needed_casts(layer_sites: Sequence[Site]) -> list[tuple[tuple[int, ...], str, str]]:
+    needed = []
+    for i, site in enumerate(layer_sites):
+        own = {p.compute_dtype for p in site.candidates}
+        before = {p.compute_dtype for p in layer_sites[i - 1].candidates} if site.chained else {REFERENCE}
+        needed += [(site.input_shape, a, b) for a in before for b in own if a != b]
+    return needed
+
+
+def measure_latency(
+    adapter: ModelAdapter,
+    layer_sites: Sequence[Site],
+    cache: MeasurementCache,
+    fingerprint: str,
+    repeats: int,
+    progress: bool = False,
+) -> LatencyProfile:
+    """Phase 1: the latency profile of every site, and of the casts the solver may insert."""
+    timings = {}
+    for site in bar(progress, layer_sites, "latency", len(layer_sites)):
+        timings[site.path] = layer_latency(adapter, site, cache, fingerprint, repeats)
+        cache.flush()
+    casts = cast_latency(_needed_casts(layer_sites), cache, fingerprint, repeats)
+    cache.flush()
+    return LatencyProfile(tuple(layer_sites), timings, casts)
+
+
 def profile(
     model: Any,
     sample_input: Any,
-    candidates: Sequence[Any] = ("float32", "mixed_bfloat16", "mixed_float16", "int8_from_float32",
-                                 "float8_from_float32"),
+    candidates: Sequence[Any] = DEFAULT_CANDIDATES,
     repeats: int = 20,
     cache_dir: str | None = None,
     progress: bool = True,
+    adapter: Any = None,
 ):
     """Latency only: every tunable layer under every candidate, as a DataFrame.
 
@@ -172,30 +148,26 @@ def profile(
     """
     import pandas as pd  # pylint: disable=import-outside-toplevel
 
-    from autopolicy.nn.protocol import NNModel  # pylint: disable=import-outside-toplevel
     from autopolicy.search import hardware  # pylint: disable=import-outside-toplevel
+    from autopolicy.search.adapter import get_adapter  # pylint: disable=import-outside-toplevel
 
-    adapter = NNModel(model)
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
-    wanted = [policies.get(c) for c in candidates]
-    layer_sites = sites(adapter.tunable_layers(), adapter.record_calls(*args), wanted)
+    made = get_adapter(model, args, [args], adapter)
+    layer_sites = sites(made.layers(), [policies.get(c) for c in candidates])
     if not layer_sites:
         raise ValueError("The model has no tunable layers.")
     fingerprint = hardware.fingerprint()
-    cache = MeasurementCache(cache_dir)
     rows = []
-    from autopolicy.search._progress import progress as bar  # pylint: disable=import-outside-toplevel
-
-    for site in bar(progress, layer_sites, "latency", len(layer_sites)):
-        variants = {p.name: adapter.layer_with_policy(site.path, p) for p in site.candidates}
-        table = layer_latency(site, variants, cache, fingerprint, repeats)
-        cache.flush()
-        for name, record in table.items():
-            rows.append({
-                "layer": site.path, "class": type(site.layer).__name__,
-                "input_shape": "x".join(map(str, site.input_shape)), "policy": name,
-                "latency_s": record["latency_s"], "latency_cv": record["latency_cv"],
-                "ratio_to_float32": table["float32"]["latency_s"] / record["latency_s"],
-                "finite_output": record["finite"], "nbytes": record["nbytes"],
-            })
+    with MeasurementCache(cache_dir) as cache:
+        for site in bar(progress, layer_sites, "latency", len(layer_sites)):
+            table = layer_latency(made, site, cache, fingerprint, repeats)
+            cache.flush()
+            for name, t in table.items():
+                rows.append({
+                    "layer": site.path, "class": site.layer.kind,
+                    "input_shape": "x".join(map(str, site.input_shape)), "policy": name,
+                    "latency_s": t.latency_s, "latency_cv": t.latency_cv,
+                    "ratio_to_float32": table[REFERENCE].latency_s / t.latency_s,
+                    "finite_output": t.finite, "nbytes": t.nbytes,
+                })
     return pd.DataFrame(rows)

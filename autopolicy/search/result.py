@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -10,7 +11,7 @@ from typing import Any
 
 from autopolicy import _atomic, policies
 
-__all__ = ["TuneResult", "PROFILE_FILE", "FRONTIER_FILE", "MAP_FILE", "SUMMARY_FILE", "load_run"]
+__all__ = ["TuneResult", "write_run", "PROFILE_FILE", "FRONTIER_FILE", "MAP_FILE", "SUMMARY_FILE", "load_run"]
 
 PROFILE_FILE = "profile.csv"
 FRONTIER_FILE = "frontier.csv"
@@ -31,31 +32,80 @@ def _json_safe(value: Any) -> Any:
 
 @dataclasses.dataclass
 class TuneResult:
-    """What :func:`autopolicy.search.tune` found.
+    """What :func:`autopolicy.search.tune` found, phase by phase.
 
     Attributes:
       policy_map: The chosen per-layer policies (a ``DTypePolicyMap`` keyed by layer path).
-      model: The model with the map applied (and float8 scales calibrated).
-      profile: One row per layer and candidate policy: latency, accuracy cost, fidelity, bytes.
-      frontier: The predicted latency/accuracy-cost Pareto frontier of per-layer assignments.
-      summary: Hardware, budget, predicted and measured figures for the map and each uniform
-        policy, evaluation counts, wall time.
+      model: The model with the map applied (float8 scales calibrated), of the user's kind.
+      latency: Phase 1, every layer's latency under every candidate (``LatencyProfile``).
+      accuracy: Phase 2, every layer's accuracy cost, or why none was measured.
+      configurations: Phase 4, every configuration verified or timed end to end (the solved
+        maps, then the uniform policies).
+      chosen: The winning configuration.
+      budget: The float32 metric and the allowed drop.
+      hardware, fingerprint: The machine the figures were measured on.
+      candidates: The candidate policy names.
+      evaluations: ``eval_fn`` calls by purpose (profile, verify, report_only, total).
+      cache_stats: Measurement-cache hits and misses.
+      wall_time_s: The run's wall time.
+      test: ``test_fn`` of float32 and of the chosen model, when given.
+
+    ``profile``, ``frontier`` (DataFrames) and ``summary`` (a JSON-able dict) are derived from
+    these; ``save`` writes them.
     """
 
     policy_map: policies.DTypePolicyMap
     model: Any
-    profile: Any  # pandas.DataFrame
-    frontier: Any  # pandas.DataFrame
-    summary: dict[str, Any]
+    latency: Any  # phases.LatencyProfile
+    accuracy: Any  # phases.AccuracyProfile
+    configurations: tuple
+    chosen: Any  # phases.Configuration
+    budget: Any  # phases.Budget
+    hardware: dict[str, Any]
+    fingerprint: str
+    candidates: tuple[str, ...]
+    evaluations: dict[str, int]
+    cache_stats: dict[str, int]
+    wall_time_s: float
+    test: dict[str, float] | None = None
+
+    @functools.cached_property
+    def profile(self) -> Any:
+        """One row per layer and candidate policy: latency, accuracy cost, fidelity, bytes."""
+        from autopolicy.search import _report_tables  # pylint: disable=import-outside-toplevel
+
+        return _report_tables.profile_frame(self.latency, self.accuracy, self.chosen)
+
+    @functools.cached_property
+    def frontier(self) -> Any:
+        """The predicted latency/accuracy-cost Pareto frontier of per-layer assignments."""
+        from autopolicy.search import _report_tables  # pylint: disable=import-outside-toplevel
+
+        return _report_tables.frontier_frame(self.latency, self.accuracy, self.budget)
+
+    @functools.cached_property
+    def summary(self) -> dict[str, Any]:
+        """Hardware, budget, predicted and measured figures of the map and of each uniform
+        policy, evaluation counts, wall time (what ``summary.json`` holds; add keys before
+        ``save`` to record more)."""
+        from autopolicy.search import _report_tables  # pylint: disable=import-outside-toplevel
+
+        return _report_tables.summary(self)
 
     def save(self, run_dir: str | os.PathLike) -> None:
         """Writes ``profile.csv``, ``frontier.csv``, ``policy_map.json`` (Keras envelope) and
         ``summary.json`` into ``run_dir``, each atomically."""
-        os.makedirs(run_dir, exist_ok=True)
-        _atomic.write_text(os.path.join(run_dir, PROFILE_FILE), self.profile.to_csv(index=False))
-        _atomic.write_text(os.path.join(run_dir, FRONTIER_FILE), self.frontier.to_csv(index=False))
-        policies.save_policy_map(self.policy_map, os.path.join(run_dir, MAP_FILE))
-        _atomic.write_json(os.path.join(run_dir, SUMMARY_FILE), _json_safe(self.summary))
+        write_run(run_dir, self.policy_map, self.profile, self.frontier, self.summary)
+
+
+def write_run(run_dir: str | os.PathLike, policy_map: policies.DTypePolicyMap, profile: Any, frontier: Any,
+              summary: dict[str, Any]) -> None:
+    """Writes a run directory's four files, each atomically (``TuneResult.save`` uses it)."""
+    os.makedirs(run_dir, exist_ok=True)
+    _atomic.write_text(os.path.join(run_dir, PROFILE_FILE), profile.to_csv(index=False))
+    _atomic.write_text(os.path.join(run_dir, FRONTIER_FILE), frontier.to_csv(index=False))
+    policies.save_policy_map(policy_map, os.path.join(run_dir, MAP_FILE))
+    _atomic.write_json(os.path.join(run_dir, SUMMARY_FILE), _json_safe(summary))
 
 
 def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:

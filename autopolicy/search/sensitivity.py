@@ -58,21 +58,33 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 def check_metric(value: Any, what: str) -> float:
     """The metric as a float; raises a clear error for anything that is not a finite number."""
+    if isinstance(value, (str, bytes, bool, np.bool_)) or np.ndim(value) != 0:
+        raise TypeError(f"eval_fn must return a real number. It returned {value!r} for {what}.")
     try:
         metric = float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"eval_fn must return a number. It returned {value!r} for {what}.") from None
+        raise TypeError(f"eval_fn must return a real number. It returned {value!r} for {what}.") from None
     return metric
 
 
 class Scorer:
-    """Scores models: the user's metric and output fidelity against the float32 model."""
+    """Scores models: the user's metric, and output fidelity against the float32 model.
 
-    def __init__(self, eval_fn: Callable[[Any], float], calibration: Sequence[tuple], reference_model: Any):
+    Models are reached through the adapter: its program of a model runs jitted on each
+    calibration batch.
+    """
+
+    def __init__(self, eval_fn: Callable[[Any], float], calibration: Sequence[tuple], adapter: Any, reference: Any):
         self.eval_fn = eval_fn
         self.calibration = list(calibration)
-        self.reference = [reference_model(*batch) for batch in self.calibration]
+        self.adapter = adapter
+        self.reference = self.outputs(reference)
         self.evaluations = 0
+
+    def outputs(self, model: Any) -> list[Any]:
+        program = self.adapter.model_program(model)
+        run = jax.jit(program.fn)
+        return [run(program.state, *batch) for batch in self.calibration]
 
     def metric(self, model: Any, what: str) -> float:
         self.evaluations += 1
@@ -80,8 +92,7 @@ class Scorer:
 
     def score(self, model: Any, what: str) -> dict[str, float | bool]:
         """``{"metric", "sqnr_db", "kl", "finite"}`` for ``model``."""
-        outputs = [model(*batch) for batch in self.calibration]
-        record: dict[str, Any] = fidelity(self.reference, outputs)
+        record: dict[str, Any] = fidelity(self.reference, self.outputs(model))
         metric = self.metric(model, what)
         record["metric"] = metric
         record["finite"] = bool(record["finite"]) and math.isfinite(metric)

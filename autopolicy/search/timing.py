@@ -44,7 +44,7 @@ class Timing:
 
 @dataclasses.dataclass
 class Candidate:
-    """``fn(state, *inputs)`` to time (``fn(*inputs)`` when ``state`` is None).
+    """``fn(state, *inputs)`` to time (``state`` may be None).
 
     Both are jit arguments, so weights in ``state`` stay runtime values, never compile-time
     constants. The loop perturbs ``inputs`` (never ``state``) from one iteration to the next.
@@ -55,7 +55,7 @@ class Candidate:
     state: Any = None
 
     def call(self, state: Any, inputs: tuple) -> Any:
-        return self.fn(*inputs) if self.state is None else self.fn(state, *inputs)
+        return self.fn(state, *inputs)
 
 
 def _perturb(args: tuple, carry: jax.Array, eps: jax.Array) -> tuple:

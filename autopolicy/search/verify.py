@@ -1,153 +1,195 @@
-"""Verification: the solved map scored and timed end to end, repaired while the budget breaks,
-and compared with every uniform policy, timed together; the fastest verified choice wins."""
+"""Phases 3 and 4: the solver's problem, and configurations verified end to end.
+
+The solved map is scored and timed end to end, repaired while the budget breaks, and compared
+with every uniform policy, all timed together; the fastest verified configuration wins.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 from autopolicy import policies
 from autopolicy.search import solver, timing
+from autopolicy.search._context import Context
+from autopolicy.search._defaults import REFERENCE
 from autopolicy.search._progress import progress
 from autopolicy.search.cache import key
+from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem
 
-__all__ = ["fastest_first", "solve_and_verify", "choose"]
+__all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "measure_end_to_end", "choose", "Models"]
 
-FLOAT32 = "float32"
+#: Models built for configurations, by configuration name (what ``eval_fn`` scored).
+Models = dict
 
 
-def evaluate_map(run: Any, name: str, policy_map: policies.DTypePolicyMap, model: Any) -> float:
-    cache_key = key(run.fingerprint, "verify", run.digest, policies.serialize(policy_map))
-    value = run.cache.get_or_measure(cache_key, lambda: run.scorer.metric(model, name))
-    run.cache.flush()
+def make_problem(latency: LatencyProfile, accuracy: AccuracyProfile | None, budget: float,
+                 memory_budget: float | None, inflate: Mapping | None = None) -> Problem:
+    """The solver's layers: measured options with their (inflated) accuracy costs; with no
+    accuracy profile, every option whose layer output stayed finite, at no accuracy cost."""
+    inflate = inflate or {}
+    layers = []
+    for site in latency.sites:
+        options = []
+        for policy in site.candidates:
+            t = latency.timing(site.path, policy.name)
+            cost = 0.0
+            if accuracy is None:
+                if policy.name != REFERENCE and not t.finite:
+                    continue
+            else:
+                acc = accuracy.get(site.path, policy.name)
+                if acc is None or not acc.usable:
+                    continue
+                scale, add = inflate.get((site.path, policy.name), (1.0, 0.0))
+                cost = acc.cost * scale + add
+            options.append(solver.Option(policy.name, policy.compute_dtype, t.latency_s, cost, float(t.nbytes)))
+        layers.append(solver.Layer(site.path, tuple(options), site.chained, latency.site_casts(site)))
+    return Problem(tuple(layers), budget, memory_budget)
+
+
+def _evaluate(ctx: Context, name: str, policy_map: policies.DTypePolicyMap, model: Any) -> float:
+    cache_key = key(ctx.fingerprint, "verify", ctx.digest, policies.serialize(policy_map))
+    value = ctx.cache.get_or_measure(cache_key, lambda: ctx.scorer.metric(model, name))
+    ctx.cache.flush()
     return float(value)
 
 
-def _verified(run: Any, round_index: int, layers: list, solution: Any) -> dict:
+def _verified(ctx: Context, models: Models, round_index: int, problem: Problem, solution: solver.Solution,
+              costs_known: bool = True) -> Configuration:
     """The solution's map, built and scored end to end (cached)."""
-    assignment = solution.policies(layers)
-    policy_map = run.policy_map(assignment)
-    model = run.variant(policy_map)
-    metric = evaluate_map(run, f"round {round_index}", policy_map, model)
-    return {"name": f"map (round {round_index})", "assignment": assignment, "policy_map": policy_map,
-            "model": model, "metric": metric, "predicted_cost": solution.accuracy_cost, "exact": solution.exact,
-            "predicted_latency_s": solution.latency, "round": round_index}
+    assignment = solution.policies(problem.layers)
+    policy_map = ctx.adapter.complete_map(assignment)
+    name = f"map (round {round_index})"
+    models[name] = ctx.adapter.with_policies(policy_map)
+    metric = _evaluate(ctx, f"round {round_index}", policy_map, models[name])
+    return Configuration(name, "map", assignment, policy_map, solution.latency, round=round_index,
+                         predicted_accuracy_cost=solution.accuracy_cost if costs_known else None,
+                         exact=solution.exact, metric=metric, meets_budget=ctx.budget.meets(metric))
 
 
-def _meets(run: Any, entry: dict) -> bool:
-    return math.isfinite(entry["metric"]) and run.baseline - entry["metric"] <= run.budget + 1e-12
-
-
-def fastest_first(run: Any) -> tuple[list[dict], bool]:
+def fastest_first(ctx: Context, latency: LatencyProfile, models: Models) -> tuple[list[Configuration], bool]:
     """Verifies the fastest assignment (accuracy ignored) with one evaluation.
 
-    Returns the verified entries and whether the search is settled: the fastest assignment met
-    the budget (no assignment can be faster, so per-layer accuracy costs cannot change the
-    choice), or it keeps every layer in float32 (nothing is faster to try).
+    Returns the verified configurations and whether the search is settled: the fastest
+    assignment met the budget (no assignment is faster, so per-layer accuracy costs cannot
+    change the choice), or it keeps every layer in float32 (nothing faster to try).
     """
-    layers = run.problem(latency_only=True)
-    solution = solver.solve(layers, math.inf, run.memory_budget)
+    problem = make_problem(latency, None, math.inf, ctx.budget.memory_budget)
+    solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
     if solution is None:
         return [], False
-    if all(name == FLOAT32 for name in solution.policies(layers).values()):
+    if all(name == REFERENCE for name in solution.policies(problem.layers).values()):
         return [], True
-    entry = _verified(run, 1, layers, solution)
-    entry["predicted_cost"] = None  # the costs were not measured, only ignored
-    return [entry], _meets(run, entry)
+    entry = _verified(ctx, models, 1, problem, solution, costs_known=False)
+    return [entry], bool(entry.meets_budget)
 
 
-def solve_and_verify(run: Any, tried: list[dict] | None = None) -> list[dict]:
+def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyProfile, models: Models,
+                     tried: list[Configuration]) -> list[Configuration]:
     """Solves, verifies the map end to end, and while the budget breaks, scales the costs of
-    the layers it changed by what was observed and solves again (bounded rounds).
-
-    ``tried``: maps verified before (not repeated); the new ones are returned."""
+    the layers it changed by what was observed and solves again (bounded rounds). Maps in
+    ``tried`` are not verified again; the new configurations are returned."""
     inflate: dict = {}
-    previous = list(tried or [])
-    tried = []
-    for offset in progress(run.progress, range(run.max_rounds), "solve and verify"):
-        round_index = len(previous) + offset + 1
-        layers = run.problem(inflate)
-        solution = solver.solve(layers, run.budget, run.memory_budget)
+    new: list[Configuration] = []
+    for offset in progress(ctx.progress, range(ctx.max_rounds), "solve and verify"):
+        round_index = len(tried) + offset + 1
+        problem = make_problem(latency, accuracy, ctx.budget.allowed_drop, ctx.budget.memory_budget, inflate)
+        solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
         if solution is None:
             break
-        assignment = solution.policies(layers)
-        if any(t["assignment"] == assignment for t in previous + tried):
+        assignment = solution.policies(problem.layers)
+        if any(t.assignment == assignment for t in tried + new):
             break
-        entry = _verified(run, round_index, layers, solution)
-        tried.append(entry)
-        drop = run.baseline - entry["metric"]
-        if _meets(run, entry) or not math.isfinite(entry["metric"]):
+        entry = _verified(ctx, models, round_index, problem, solution)
+        new.append(entry)
+        if entry.meets_budget or not math.isfinite(entry.metric):
             break
-        changed = [(p, n) for p, n in assignment.items() if n != FLOAT32]
+        drop = ctx.budget.baseline_metric - entry.metric
+        changed = list(entry.changed.items())
         excess = drop - solution.accuracy_cost
+        ratio = drop / solution.accuracy_cost if solution.accuracy_cost > 0 else 1.0
         for path, name in changed:
             scale, add = inflate.get((path, name), (1.0, 0.0))
-            ratio = drop / solution.accuracy_cost if solution.accuracy_cost > 0 else 1.0
             inflate[(path, name)] = (scale * max(ratio, 1.0), add + max(excess, 0.0) / len(changed))
-    return tried
+    return new
 
 
-def uniform(run: Any, policy: policies.DTypePolicy, tried: list[dict]) -> dict:
+def uniform(ctx: Context, latency: LatencyProfile, policy: policies.DTypePolicy, tried: list[Configuration],
+            models: Models) -> Configuration:
     """Every tunable layer on ``policy`` (float32 where it has no such kernel)."""
-    assignment = {s.path: (policy.name if policy in s.candidates else FLOAT32) for s in run.sites}
+    assignment = {s.path: (policy.name if policy in s.candidates else REFERENCE) for s in latency.sites}
     # A layer whose output is not finite under the policy disqualifies the uniform policy.
-    broken = [p for p, n in assignment.items() if not run.latency[p][n]["finite"]]
-    entry = {"name": f"uniform {policy.name}", "assignment": assignment, "disqualified": broken,
-             "predicted_latency_s": run.predicted_latency(assignment)}
-    same = next((t for t in tried if t["assignment"] == assignment), None)
+    broken = tuple(p for p, n in assignment.items() if not latency.timing(p, n).finite)
+    name = f"uniform {policy.name}"
+    entry = Configuration(name, "uniform", assignment, ctx.adapter.complete_map(assignment),
+                          latency.predicted_latency(assignment), uniform=policy.name, disqualified=broken)
+    same = next((t for t in tried if t.assignment == assignment), None)
     if same is not None:  # the same model as a verified map: share its model and metric
-        return {**entry, "policy_map": same["policy_map"], "model": same["model"], "metric": same["metric"]}
-    policy_map = run.policy_map(assignment)
-    is_float32 = policy.name == FLOAT32
-    return {**entry, "policy_map": policy_map, "model": run.base if is_float32 else run.variant(policy_map),
-            "metric": run.baseline if is_float32 else None}
+        models[name] = models[same.name]
+        return entry.with_(policy_map=same.policy_map, metric=same.metric)
+    if policy.name == REFERENCE:
+        models[name] = ctx.reference_model
+        return entry.with_(metric=ctx.budget.baseline_metric)
+    models[name] = ctx.adapter.with_policies(entry.policy_map)
+    return entry
 
 
-def measure_end_to_end(run: Any, entries: list[dict]) -> None:
-    """Times every entry's whole model, interleaved, and records ``measured_latency_s``."""
-    todo = {}
+def measure_end_to_end(ctx: Context, entries: list[Configuration], models: Models) -> list[Configuration]:
+    """Times every configuration's whole model, interleaved (cached by its map)."""
+    todo, keys = {}, []
+    shapes = [list(x.shape) for x in ctx.sample_args if hasattr(x, "shape")]
     for e in entries:
-        cache_key = key(run.fingerprint, "e2e", run.digest, policies.serialize(e["policy_map"]),
-                        [list(x.shape) for x in run.args if hasattr(x, "shape")], run.repeats,
-                        timing.METHOD)
-        e["cache_key"] = cache_key
-        if cache_key not in run.cache and cache_key not in todo:
-            todo[cache_key] = timing.Candidate(lambda m, *a: m(*a), run.args, e["model"])
-    measured = timing.measure(todo, repeats=2 * run.repeats) if todo else {}
+        cache_key = key(ctx.fingerprint, "e2e", ctx.digest, policies.serialize(e.policy_map), shapes,
+                        ctx.repeats, timing.METHOD)
+        keys.append(cache_key)
+        if ctx.cache.lookup(cache_key) is None and cache_key not in todo:
+            program = ctx.adapter.model_program(models[e.name])
+            todo[cache_key] = timing.Candidate(program.fn, program.args, program.state)
+    measured = timing.measure(todo, repeats=2 * ctx.repeats) if todo else {}
     for cache_key, t in measured.items():
-        run.cache.get_or_measure(cache_key, lambda t=t: t.as_dict("latency_"))
-    for e in entries:
-        stats = run.cache.entries[e["cache_key"]]
-        e["measured_latency_s"] = stats["latency_median"]
-        e["measured_latency_cv"] = stats["latency_cv"]
-    run.cache.flush()
+        ctx.cache.get_or_measure(cache_key, lambda t=t: t.as_dict("latency_"))
+    ctx.cache.flush()
+    out = []
+    for e, cache_key in zip(entries, keys):
+        stats = ctx.cache.entries[cache_key]
+        out.append(e.with_(measured_latency_s=stats["latency_median"], measured_latency_cv=stats["latency_cv"]))
+    return out
 
 
-def choose(run: Any, tried: list[dict]) -> tuple[dict, list[dict]]:
-    uniforms = [uniform(run, p, tried) for p in [policies.DTypePolicy(FLOAT32)] + [
-        c for c in run.candidates if c.name != FLOAT32]]
-    entries = tried + uniforms
-    measure_end_to_end(run, entries)
-    verified = [e for e in tried if run.baseline - e["metric"] <= run.budget + 1e-12]
-    best_map = min(verified, key=lambda e: e["measured_latency_s"], default=None)
-    bar = best_map["measured_latency_s"] if best_map else math.inf
-    float32 = uniforms[0]["measured_latency_s"]
+def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration],
+           models: Models) -> tuple[Configuration, list[Configuration], int]:
+    """The fastest configuration that meets the budget, among the verified maps and the uniform
+    policies (timed together); float32 unless it is ``min_speedup`` faster.
+
+    Returns the winner, every configuration, and the evaluations spent only to report the best
+    uniform policy.
+    """
+    reference = policies.DTypePolicy(REFERENCE)
+    uniforms = [uniform(ctx, latency, p, tried, models)
+                for p in [reference] + [c for c in ctx.candidates if c.name != REFERENCE]]
+    timed = measure_end_to_end(ctx, tried + uniforms, models)
+    tried, uniforms = timed[:len(tried)], timed[len(tried):]
+    best_map = min((e for e in tried if e.meets_budget), key=lambda e: e.measured_latency_s, default=None)
+    bar = best_map.measured_latency_s if best_map else math.inf
+    float32 = uniforms[0].measured_latency_s
+    report_only = 0
     # A uniform policy needs its metric if it could beat the map on latency (a decision), or
     # if it is faster than float32 (to report the best uniform policy honestly).
-    for u in sorted(uniforms, key=lambda e: e["measured_latency_s"]):
-        if u["metric"] is None and not u["disqualified"] and u["measured_latency_s"] < max(bar, float32):
-            before = run.scorer.evaluations
-            u["metric"] = evaluate_map(run, u["name"], u["policy_map"], u["model"])
-            if u["measured_latency_s"] >= bar:
-                run.report_evaluations += run.scorer.evaluations - before
-    for e in entries:
-        e["meets_budget"] = None if e["metric"] is None else bool(
-            math.isfinite(e["metric"]) and run.baseline - e["metric"] <= run.budget + 1e-12
-            and not e.get("disqualified"))
+    for i in sorted(range(len(uniforms)), key=lambda i: uniforms[i].measured_latency_s):
+        u = uniforms[i]
+        if u.metric is None and not u.disqualified and u.measured_latency_s < max(bar, float32):
+            before = ctx.scorer.evaluations
+            metric = _evaluate(ctx, u.name, u.policy_map, models[u.name])
+            if u.measured_latency_s >= bar:
+                report_only += ctx.scorer.evaluations - before
+            uniforms[i] = u.with_(metric=metric)
+    uniforms = [u.with_(meets_budget=None if u.metric is None else ctx.budget.meets(u.metric) and not u.disqualified)
+                for u in uniforms]
+    entries = tried + uniforms
     # Ties (the same model reached as a map and as a uniform policy) go to the map.
-    winner = min((e for e in entries if e["meets_budget"]),
-                 key=lambda e: (e["measured_latency_s"], "round" not in e))
+    winner = min((e for e in entries if e.meets_budget), key=lambda e: (e.measured_latency_s, e.kind != "map"))
     # A change must pay for itself: within noise of float32, float32 stays.
-    if winner["measured_latency_s"] * run.min_speedup > uniforms[0]["measured_latency_s"]:
+    if winner.measured_latency_s * ctx.min_speedup > uniforms[0].measured_latency_s:
         winner = uniforms[0]
-    return winner, entries
+    return winner, entries, report_only

@@ -1,0 +1,158 @@
+"""The model adapter for ``autopolicy.nn`` models (built, float, immutable pytrees).
+
+Layers are recorded through the module call hook on the sample input; a layer or the model under
+a policy is a new module (``with_dtype_policy``), which is itself the jit state of its program.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autopolicy import policies
+from autopolicy.nn import _context
+from autopolicy.nn._module import Module
+from autopolicy.nn.calibration import calibrate
+from autopolicy.search.adapter import Program, TunableLayer, digest_arrays, register_adapter
+
+__all__ = ["NNAdapter", "LayerCall", "record_calls", "cast_floating"]
+
+FLOAT32 = policies.DEFAULT_POLICY_NAME if hasattr(policies, "DEFAULT_POLICY_NAME") else "float32"
+
+
+class LayerCall:
+    """What one layer received and returned on the sample input (its first call only)."""
+
+    __slots__ = ("path", "layer", "args", "kwargs", "output", "producer")
+
+    def __init__(self, path, layer, args, kwargs, output, producer):
+        self.path, self.layer, self.args, self.kwargs = path, layer, args, kwargs
+        self.output, self.producer = output, producer
+
+
+def record_calls(model: Module, *args: Any, **kwargs: Any) -> "OrderedDict[str, LayerCall]":
+    """Runs ``model`` once and records every leaf layer's first call, in execution order."""
+    leaves = {id(m): p for p, m in model.layers_by_path().items()}
+    calls: OrderedDict[str, LayerCall] = OrderedDict()
+    outputs: dict[int, str] = {}
+
+    def hook(layer, call_args, call_kwargs):
+        path = leaves.get(id(layer))
+        if path is None or path in calls:
+            return None
+        first = next(iter(jax.tree_util.tree_leaves((call_args, call_kwargs))), None)
+        producer = outputs.get(id(first)) if first is not None else None
+
+        def record(out):
+            calls[path] = LayerCall(path, layer, call_args, call_kwargs, out, producer)
+            for leaf in jax.tree_util.tree_leaves(out):
+                outputs[id(leaf)] = path
+
+        return record
+
+    with _context.call_hook(hook):
+        model(*args, **kwargs)
+    return calls
+
+
+def cast_floating(tree: Any, dtype: str) -> Any:
+    """Casts the floating arrays of ``tree`` to ``dtype`` (what autocast would do)."""
+    target = jnp.dtype(dtype)
+
+    def leaf(x):
+        if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.asarray(x).astype(target)
+        return x
+
+    return jax.tree_util.tree_map(leaf, tree)
+
+
+def _shapes(tree: Any) -> list:
+    return [[list(np.shape(x)), str(jnp.result_type(x))] for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _call_layer(layer: Module, args: tuple, kwargs: dict) -> Any:
+    return layer(*args, **kwargs)
+
+
+def _call_model(model: Module, *args: Any) -> Any:
+    return model(*args)
+
+
+class NNAdapter:
+    """:class:`~autopolicy.search.adapter.ModelAdapter` for a built float ``autopolicy.nn`` model.
+
+    Raises:
+      TypeError: if ``model`` is not an ``autopolicy.nn`` module.
+      ValueError: if it is not built, or is already quantized.
+    """
+
+    def __init__(self, model: Module, sample_args: tuple, calibration: list):
+        if not isinstance(model, Module):
+            raise TypeError(f"Expected an autopolicy.nn Module. Received: {type(model).__name__}")
+        if not model.built:
+            raise ValueError("The model must be built: model = model.build(jax.random.key(0), sample_input)")
+        quantized = [p for p, m in model.layers_by_path().items() if m.quantization_mode is not None]
+        if quantized:
+            raise ValueError(f"Tune the float model, not a quantized one: {quantized} are already quantized.")
+        self.model = model.with_dtype_policy(FLOAT32)
+        self.calibration = list(calibration)
+        self.sample_args = tuple(sample_args)
+        try:
+            self.calls = record_calls(self.model, *self.sample_args)
+        except Exception as e:  # pylint: disable=broad-except
+            raise ValueError(f"The model failed on sample_input: {type(e).__name__}: {e}") from e
+        self._modules = self.model.layers_by_path()
+        self._layers = tuple(self._describe(path) for path, call in self.calls.items()
+                             if self._modules[path].tunable)
+
+    def _describe(self, path: str) -> TunableLayer:
+        layer, call = self._modules[path], self.calls[path]
+        config = layer.__dict__.get("_config") or type(layer).__name__
+        signature = json.dumps({"class": type(layer).__name__, "config": config, "weights": _shapes(layer),
+                                "inputs": _shapes((call.args, call.kwargs))}, sort_keys=True, default=str)
+        first = jax.tree_util.tree_leaves((call.args, call.kwargs))[0]
+        return TunableLayer(path, type(layer).__name__, tuple(layer.supported_quantization_modes), signature,
+                            tuple(np.shape(first)), call.producer)
+
+    def layers(self) -> tuple[TunableLayer, ...]:
+        return self._layers
+
+    def layer_program(self, path: str, policy: policies.DTypePolicy) -> Program:
+        call = self.calls[path]
+        args, kwargs = cast_floating((call.args, call.kwargs), policy.compute_dtype)
+        return Program(_call_layer, (args, kwargs), self._modules[path].with_dtype_policy(policy))
+
+    def layer_bytes(self, path: str, policy: policies.DTypePolicy) -> int:
+        return int(self._modules[path].with_dtype_policy(policy).nbytes())
+
+    def complete_map(self, assignment: dict[str, policies.DTypePolicy]) -> policies.DTypePolicyMap:
+        """Parameter-free layers that consume a retyped layer's output follow its compute dtype."""
+        entries: dict[str, Any] = {p: policies.get(n) for p, n in assignment.items() if policies.get(n).name != FLOAT32}
+        tunable = {layer.path for layer in self._layers}
+        for path, call in self.calls.items():
+            if path in tunable or call.producer not in entries:
+                continue
+            producer = entries[call.producer]
+            entries[path] = policies.DTypePolicy(getattr(producer, "source_name", producer.name))
+        return policies.DTypePolicyMap(FLOAT32, entries)
+
+    def with_policies(self, policy_map: policies.DTypePolicyMap) -> Module:
+        model = self.model.with_dtype_policy(policy_map)
+        if any(layer.quantization_mode == "float8" for layer in model.layers_by_path().values()):
+            model = calibrate(model, self.calibration or [self.sample_args])
+        return model
+
+    def model_program(self, model: Module) -> Program:
+        return Program(_call_model, self.sample_args, model)
+
+    def weights_digest(self) -> str:
+        return digest_arrays(self.model)
+
+
+register_adapter(Module, NNAdapter, "autopolicy.nn.Module")

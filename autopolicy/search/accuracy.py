@@ -1,0 +1,75 @@
+"""Phase 2, accuracy: each layer switched alone to each candidate (the rest float32), scored."""
+
+from __future__ import annotations
+
+import math
+
+from autopolicy import policies
+from autopolicy.search._context import Context
+from autopolicy.search._defaults import REFERENCE
+from autopolicy.search._progress import progress as bar
+from autopolicy.search.cache import key
+from autopolicy.search.phases import AccuracyProfile, LatencyProfile, LayerAccuracy, Site, Status
+
+__all__ = ["dominated", "measure_accuracy", "skipped_accuracy"]
+
+
+def _reference(baseline: float) -> LayerAccuracy:
+    return LayerAccuracy(Status.REFERENCE, metric=baseline, cost=0.0, sqnr_db=math.inf, kl=0.0)
+
+
+def dominated(latency: LatencyProfile, i: int, policy: policies.DTypePolicy) -> bool:
+    """Slower than float32 by more than any cast it could save: never chosen by the solver."""
+    sites = latency.sites
+    site, table = sites[i], latency.timings[sites[i].path]
+    slack = max([s for (a, b), s in latency.site_casts(site).items() if b == REFERENCE] + [0.0])
+    if i + 1 < len(sites) and sites[i + 1].chained:
+        slack += max([s for (a, b), s in latency.site_casts(sites[i + 1]).items() if a == REFERENCE] + [0.0])
+    return table[policy.name].latency_s - table[REFERENCE].latency_s > slack
+
+
+def skipped_accuracy(ctx: Context, latency: LatencyProfile) -> AccuracyProfile:
+    """No layer scored: the fastest assignment met the budget, so costs cannot change the choice."""
+    entries = {}
+    for site in latency.sites:
+        table = {REFERENCE: _reference(ctx.budget.baseline_metric)}
+        for policy in site.candidates[1:]:
+            finite = latency.timing(site.path, policy.name).finite
+            table[policy.name] = LayerAccuracy(Status.NOT_NEEDED if finite else Status.NONFINITE_LAYER)
+        entries[site.path] = table
+    return AccuracyProfile(entries, measured=False, evaluations=0)
+
+
+def _score(ctx: Context, site: Site, policy: policies.DTypePolicy) -> LayerAccuracy:
+    cache_key = key(ctx.fingerprint, "accuracy", ctx.digest, site.path, policy.name)
+
+    def measure():
+        model = ctx.adapter.with_policies(ctx.adapter.complete_map({site.path: policy}))
+        return ctx.scorer.score(model, f"{site.path} as {policy.name}")
+
+    scored = ctx.cache.get_or_measure(cache_key, measure)
+    ctx.cache.flush()
+    fields = {k: scored[k] for k in ("metric", "sqnr_db", "kl")}
+    if not scored["finite"]:
+        return LayerAccuracy(Status.NONFINITE_MODEL, **fields)
+    return LayerAccuracy(Status.MEASURED, cost=max(0.0, ctx.budget.baseline_metric - scored["metric"]), **fields)
+
+
+def measure_accuracy(ctx: Context, latency: LatencyProfile, every_candidate: bool = False) -> AccuracyProfile:
+    """Phase 2: the accuracy cost of every layer under every candidate it could be given.
+
+    A candidate whose layer output is not finite is disqualified; one slower than float32 by
+    more than any cast it could save is skipped (the solver would never choose it), unless
+    ``every_candidate`` asks for a complete sensitivity table.
+    """
+    before = ctx.scorer.evaluations
+    entries = {site.path: {REFERENCE: _reference(ctx.budget.baseline_metric)} for site in latency.sites}
+    todo = [(i, s, p) for i, s in enumerate(latency.sites) for p in s.candidates[1:]]
+    for i, site, policy in bar(ctx.progress, todo, "sensitivity", len(todo)):
+        if not latency.timing(site.path, policy.name).finite:
+            entries[site.path][policy.name] = LayerAccuracy(Status.NONFINITE_LAYER)
+        elif not every_candidate and dominated(latency, i, policy):
+            entries[site.path][policy.name] = LayerAccuracy(Status.SLOWER)
+        else:
+            entries[site.path][policy.name] = _score(ctx, site, policy)
+    return AccuracyProfile(entries, measured=True, evaluations=ctx.scorer.evaluations - before)

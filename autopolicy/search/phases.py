@@ -1,0 +1,195 @@
+"""The typed results of the search's phases.
+
+latency profile -> accuracy profile -> problem -> verified configurations -> result. Each is a
+frozen dataclass made by a pure function of the ones before it (plus measurements); the result,
+the saved files and the report read only these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from autopolicy import policies
+from autopolicy.search import solver
+from autopolicy.search._defaults import REFERENCE, within_budget
+from autopolicy.search.adapter import TunableLayer
+
+__all__ = [
+    "Site",
+    "LayerTiming",
+    "LatencyProfile",
+    "LayerAccuracy",
+    "AccuracyProfile",
+    "Budget",
+    "Problem",
+    "Configuration",
+    "Status",
+]
+
+
+class Status:
+    """Why a layer's accuracy figure under a policy is what it is (the ``status`` column)."""
+
+    REFERENCE = "reference"
+    MEASURED = "measured"
+    SLOWER = "skipped: slower than float32"
+    NOT_NEEDED = "not needed: the fastest assignment met the budget"
+    NONFINITE_LAYER = "disqualified: non-finite layer output"
+    NONFINITE_MODEL = "disqualified: non-finite model output or metric"
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """A tunable layer where it sits in the chain the solver walks, with its candidates.
+
+    ``chained``: its first input is the previous tunable layer's output, so a change of compute
+    dtype between them costs a cast (otherwise its input comes from the model in float32).
+    """
+
+    index: int
+    layer: TunableLayer
+    chained: bool
+    candidates: tuple[policies.DTypePolicy, ...]
+
+    @property
+    def path(self) -> str:
+        return self.layer.path
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.layer.input_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTiming:
+    """One layer under one policy, timed alone at its real input."""
+
+    latency_s: float
+    latency_p25_s: float
+    latency_p75_s: float
+    latency_cv: float
+    repeats: int
+    inner: int
+    finite: bool  # its output on the real input is free of inf/NaN
+    nbytes: int
+    kernel: str = ""  # the kernel (tactic) it runs, where its mode has several
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> "LayerTiming":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in fields})
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyProfile:
+    """Phase 1: every site's latency under each candidate, and the casts between dtypes."""
+
+    sites: tuple[Site, ...]
+    timings: Mapping[str, Mapping[str, LayerTiming]]  # path -> policy name -> timing
+    casts: Mapping[tuple[tuple[int, ...], str, str], float]  # (shape, from, to) -> seconds
+
+    def timing(self, path: str, policy: str) -> LayerTiming:
+        return self.timings[path][policy]
+
+    def site_casts(self, site: Site) -> dict[tuple[str, str], float]:
+        return {(a, b): s for (shape, a, b), s in self.casts.items() if shape == site.input_shape}
+
+    def predicted_latency(self, assignment: Mapping[str, str]) -> float:
+        """Summed layer latencies and casts for an assignment (missing layers: float32)."""
+        total, previous = 0.0, REFERENCE
+        for site in self.sites:
+            name = assignment.get(site.path, REFERENCE)
+            dtype = policies.get(name).compute_dtype
+            source = previous if site.chained else REFERENCE
+            total += self.timings[site.path][name].latency_s
+            total += 0.0 if source == dtype else self.site_casts(site).get((source, dtype), 0.0)
+            previous = dtype
+        return total
+
+    def nbytes(self, assignment: Mapping[str, str]) -> int:
+        return sum(self.timings[s.path][assignment.get(s.path, REFERENCE)].nbytes for s in self.sites)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAccuracy:
+    """One layer under one policy (the rest float32), scored end to end."""
+
+    status: str
+    metric: float = math.nan
+    cost: float = math.nan  # the metric's drop from float32, >= 0
+    sqnr_db: float = math.nan
+    kl: float = math.nan
+
+    @property
+    def usable(self) -> bool:
+        return self.status in (Status.REFERENCE, Status.MEASURED)
+
+
+@dataclasses.dataclass(frozen=True)
+class AccuracyProfile:
+    """Phase 2: per-layer accuracy costs (or why they were not measured)."""
+
+    entries: Mapping[str, Mapping[str, LayerAccuracy]]  # path -> policy name -> accuracy
+    measured: bool  # False when the fastest assignment met the budget and nothing was scored
+    evaluations: int
+
+    def get(self, path: str, policy: str) -> LayerAccuracy | None:
+        return self.entries.get(path, {}).get(policy)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """The accuracy budget: the float32 metric and the drop allowed from it."""
+
+    baseline_metric: float
+    allowed_drop: float
+    memory_budget: float | None = None
+
+    @property
+    def min_metric(self) -> float:
+        return self.baseline_metric - self.allowed_drop
+
+    def meets(self, metric: float | None) -> bool:
+        return within_budget(self.baseline_metric, metric, self.allowed_drop)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Phase 3: what the solver is handed."""
+
+    layers: tuple[solver.Layer, ...]
+    budget: float  # summed accuracy cost allowed (inf: latency only)
+    memory_budget: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """Phase 4: a whole-model configuration, scored and timed end to end.
+
+    ``kind`` is ``"map"`` (solved, verified in round ``round``) or ``"uniform"`` (every layer on
+    ``uniform``, float32 where a layer has no such kernel).
+    """
+
+    name: str
+    kind: str
+    assignment: Mapping[str, str]  # path -> policy name, every tunable layer
+    policy_map: policies.DTypePolicyMap
+    predicted_latency_s: float
+    round: int | None = None
+    uniform: str | None = None
+    predicted_accuracy_cost: float | None = None  # None: costs ignored (fastest first) or unknown
+    exact: bool | None = None
+    metric: float | None = None
+    measured_latency_s: float | None = None
+    measured_latency_cv: float | None = None
+    meets_budget: bool | None = None
+    disqualified: tuple[str, ...] = ()  # layers whose output is not finite under it
+
+    @property
+    def changed(self) -> dict[str, str]:
+        return {p: n for p, n in self.assignment.items() if n != REFERENCE}
+
+    def with_(self, **changes: Any) -> "Configuration":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,134 @@
+"""The adapter seam: a model that is not an autopolicy module (a plain function of a params dict
+holding two matmuls) is tuned through an adapter defined here; the search imports no framework."""
+
+import ast
+import dataclasses
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from autopolicy import policies, search
+from autopolicy.search import adapter as adapter_module
+from autopolicy.search.adapter import Program, TunableLayer
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoMatmuls:
+    """``relu(x @ w1) @ w2`` with a params dict; each matmul runs in its own compute dtype."""
+
+    params: dict
+    dtypes: tuple = ("float32", "float32")
+
+    def __call__(self, x):
+        d1, d2 = (jnp.dtype(d) for d in self.dtypes)
+        h = jax.nn.relu(x.astype(d1) @ self.params["w1"].astype(d1))
+        return (h.astype(d2) @ self.params["w2"].astype(d2)).astype(jnp.float32)
+
+
+def _matmul(w, x):
+    return x @ w.astype(x.dtype)
+
+
+class TwoMatmulsAdapter:
+    """The whole adapter a framework needs: seven methods."""
+
+    PATHS = ("w1", "w2")
+
+    def __init__(self, model, sample_args, calibration):
+        self.model = model
+        x = sample_args[0]
+        self.inputs = {"w1": x, "w2": jax.nn.relu(x @ model.params["w1"])}
+
+    def layers(self):
+        return tuple(TunableLayer(p, "matmul", (), f"matmul{self.model.params[p].shape}x{self.inputs[p].shape}",
+                                  self.inputs[p].shape, None if p == "w1" else "w1") for p in self.PATHS)
+
+    def layer_program(self, path, policy):
+        x = self.inputs[path].astype(policy.compute_dtype)
+        return Program(_matmul, (x,), self.model.params[path])
+
+    def layer_bytes(self, path, policy):
+        return int(self.model.params[path].size * jnp.dtype(policy.variable_dtype).itemsize)
+
+    def complete_map(self, assignment):
+        return policies.DTypePolicyMap("float32", {p: n for p, n in assignment.items() if n != "float32"})
+
+    def with_policies(self, policy_map):
+        return TwoMatmuls(self.model.params, tuple(policy_map[p].compute_dtype for p in self.PATHS))
+
+    def model_program(self, model):
+        return Program(lambda params, x: TwoMatmuls(params, model.dtypes)(x), (self.inputs["w1"],), model.params)
+
+    def weights_digest(self):
+        return adapter_module.digest_arrays(self.model.params)
+
+
+KEY = jax.random.key(0)
+PARAMS = {"w1": jax.random.normal(jax.random.fold_in(KEY, 1), (64, 128)) / 8,
+          "w2": jax.random.normal(jax.random.fold_in(KEY, 2), (128, 16)) / 11}
+X = jax.random.normal(jax.random.fold_in(KEY, 3), (256, 64))
+REFERENCE = np.asarray(TwoMatmuls(PARAMS)(X))
+
+
+def fidelity(model):
+    """1 - relative error of the outputs against float32 (1.0 exactly for float32)."""
+    out = np.asarray(model(X))
+    return 1.0 - float(np.linalg.norm(out - REFERENCE) / np.linalg.norm(REFERENCE))
+
+
+def test_a_zero_budget_keeps_every_layer_in_float32():
+    result = search.tune(TwoMatmuls(PARAMS), fidelity, X, candidates=["float32", "mixed_bfloat16"],
+                         max_drop=0.0, relative=False, repeats=3, progress=False,
+                         adapter=TwoMatmulsAdapter, profile_accuracy="always")
+    assert list(result.profile["layer"].unique()) == ["w1", "w2"]
+    assert result.profile.shape[0] == 4  # 2 layers x 2 policies
+    costs = result.profile.set_index(["layer", "policy"])["accuracy_cost"]
+    assert 1e-4 < costs["w1", "mixed_bfloat16"] < 2e-2 and 1e-4 < costs["w2", "mixed_bfloat16"] < 2e-2
+    assert dict(result.policy_map.items()) == {} and result.chosen.name == "uniform float32"
+    assert isinstance(result.model, TwoMatmuls) and result.model.dtypes == ("float32", "float32")
+    assert result.summary["chosen"]["metric"] == 1.0
+
+
+def test_a_registered_adapter_tunes_the_users_model_and_returns_its_kind(monkeypatch):
+    monkeypatch.setattr(adapter_module, "_REGISTRY", list(adapter_module._REGISTRY))
+    search.register_adapter(TwoMatmuls, TwoMatmulsAdapter)
+    result = search.tune(TwoMatmuls(PARAMS), fidelity, X, candidates=["float32", "mixed_bfloat16"],
+                         max_drop=0.05, relative=False, repeats=3, progress=False, min_speedup=1.0)
+    # Every configuration's metric is the user's metric of the model the adapter built for it.
+    for config in result.configurations:
+        if config.metric is not None:
+            dtypes = tuple(config.policy_map[p].compute_dtype for p in ("w1", "w2"))
+            assert config.metric == pytest.approx(fidelity(TwoMatmuls(PARAMS, dtypes)), abs=1e-6)
+    assert result.chosen.meets_budget and isinstance(result.model, TwoMatmuls)
+    assert result.model.dtypes == tuple(result.policy_map[p].compute_dtype for p in ("w1", "w2"))
+    assert {c.uniform for c in result.configurations if c.kind == "uniform"} == {"float32", "mixed_bfloat16"}
+
+
+def test_an_unknown_model_type_names_the_remedy():
+    with pytest.raises(TypeError, match=r"No model adapter for a builtins\.dict.*register_adapter"):
+        search.tune({"w": jnp.ones((2, 2))}, fidelity, X, progress=False)
+
+
+def test_an_adapter_without_the_protocols_methods_is_refused():
+    class Partial:
+        def __init__(self, model, sample_args, calibration):
+            pass
+
+        def layers(self):
+            return ()
+
+    with pytest.raises(TypeError, match=r"lacks the methods \['layer_program', 'layer_bytes'"):
+        search.tune(TwoMatmuls(PARAMS), fidelity, X, progress=False, adapter=Partial)
+
+
+def test_nothing_under_search_imports_a_framework():
+    root = pathlib.Path(search.__file__).parent
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith(("autopolicy.nn", "keras", "flax", "autopolicy.adapters")), (path, name)
