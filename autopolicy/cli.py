@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="allowed metric drop, a fraction or percentage (default: the experiment's, usually 1%%)")
     tune.add_argument("--absolute", action="store_true", help="--max-drop is absolute, not relative to float32")
     tune.add_argument("--candidates", type=_candidates, default=None,
-                      help="comma-separated policies (default: float32,mixed_bfloat16,mixed_float16,"
-                           "int8_from_float32,float8_from_float32)")
+                      help="comma-separated policies (default: the experiment's, else "
+                           "autopolicy.search.DEFAULT_CANDIDATES)")
     tune.add_argument("--memory-budget", type=_size, default=None, help="cap on weight bytes, e.g. 10MB")
     tune.add_argument("--out", default=None, help="run directory (default: runs/EXPERIMENT); reruns resume")
     tune.add_argument("--repeats", type=_positive_int, default=20, help="timing repetitions per layer")
@@ -138,7 +138,7 @@ def _tune(args: argparse.Namespace) -> int:
     max_drop = exp.max_drop if args.max_drop is None else args.max_drop
     result = search.tune(
         exp.model, exp.eval_fn, exp.sample_input,
-        candidates=args.candidates or exp.candidates, max_drop=max_drop,
+        candidates=args.candidates or exp.candidates or search.DEFAULT_CANDIDATES, max_drop=max_drop,
         relative=exp.relative and not args.absolute, memory_budget=args.memory_budget,
         cache_dir=os.path.join(out, "cache"), progress=not args.no_progress,
         calibration_inputs=exp.calibration_inputs, test_fn=exp.test_fn, repeats=args.repeats,
@@ -219,7 +219,8 @@ def _profile(args: argparse.Namespace) -> int:
     from autopolicy import _atomic, search  # pylint: disable=import-outside-toplevel
 
     exp = _experiment(args.experiment)
-    table = search.profile(exp.model, exp.sample_input, candidates=args.candidates or exp.candidates,
+    candidates = args.candidates or exp.candidates or search.DEFAULT_CANDIDATES
+    table = search.profile(exp.model, exp.sample_input, candidates=candidates,
                            repeats=args.repeats, progress=not args.no_progress)
     print(f"device: {search.hardware.describe()}")
     wide = table.pivot(index="layer", columns="policy", values="ratio_to_float32").loc[table["layer"].unique()]

@@ -32,7 +32,7 @@ class Experiment:
       calibration_inputs: Batches for float8 calibration and output fidelity.
       max_drop: Default allowed metric drop (relative unless ``relative`` is False).
       relative: Whether ``max_drop`` is a fraction of the float32 metric.
-      candidates: Default candidate policies.
+      candidates: Default candidate policies (None: ``autopolicy.search.DEFAULT_CANDIDATES``).
       metric_name: What ``eval_fn`` measures, for reports.
       description: One line for listings and reports.
     """
@@ -45,8 +45,7 @@ class Experiment:
     calibration_inputs: Sequence[Any] | None = None
     max_drop: float = 0.01
     relative: bool = True
-    candidates: Sequence[str] = (
-        "float32", "mixed_bfloat16", "mixed_float16", "int8_from_float32", "float8_from_float32")
+    candidates: Sequence[str] | None = None
     metric_name: str = "metric"
     description: str = ""
 

@@ -11,11 +11,11 @@ from typing import Any
 import pandas as pd
 
 from autopolicy.report._cells import format_cell, is_numeric_column
+from autopolicy.search._defaults import REFERENCE as FLOAT32
 
 __all__ = ["policy_order", "layer_order", "pivot", "layer_table", "overview_table",
            "policy_map_table", "to_markdown", "FLOAT32", "OVERVIEW_COLUMNS"]
 
-FLOAT32 = "float32"
 _PROFILED = ("measured", "reference")  # statuses whose accuracy cost was measured
 OVERVIEW_COLUMNS = ["configuration", "chosen", "predicted (ms)", "measured (ms)", "latency / float32",
                     "metric", "drop", "meets budget"]

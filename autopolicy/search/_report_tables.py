@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from autopolicy.search import hardware, solver
-from autopolicy.search._defaults import REFERENCE
+from autopolicy.search._defaults import BUDGET_TOLERANCE, REFERENCE
 from autopolicy.search.phases import AccuracyProfile, Budget, Configuration, LatencyProfile, Status
 from autopolicy.search.verify import make_problem
 
@@ -66,7 +66,7 @@ def frontier_frame(latency: LatencyProfile, accuracy: AccuracyProfile, budget: B
                 "predicted_latency_s": solution.latency,
                 "nbytes": solution.nbytes,
                 "changed_layers": len(assignment),
-                "within_budget": solution.accuracy_cost <= budget.allowed_drop + 1e-12,
+                "within_budget": solution.accuracy_cost <= budget.allowed_drop + BUDGET_TOLERANCE,
                 "exact": solution.exact,
                 "policies": json.dumps(assignment, sort_keys=True),
             })
