@@ -132,3 +132,21 @@ def test_nothing_under_search_imports_a_framework():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
                 assert not name.startswith(("autopolicy.nn", "keras", "flax", "autopolicy.adapters")), (path, name)
+
+
+def test_identical_nn_layers_of_different_blocks_are_timed_once(monkeypatch):
+    from autopolicy import nn
+    from autopolicy.search import profiling, timing
+    from autopolicy.search.cache import MeasurementCache
+
+    blocks = [nn.Sequential([nn.Dense(32, activation="relu", name="query")], name=f"block_{i}") for i in range(3)]
+    model = nn.Sequential(blocks + [nn.Dense(8)], name="net").build(jax.random.key(0), jnp.ones((4, 32)))
+    made = search.get_adapter(model, (jnp.ones((4, 32)),), [])
+    sites = profiling.sites(made.layers(), [policies.get("float32"), policies.get("mixed_bfloat16")])
+    assert len({s.layer.signature for s in sites}) == 2  # three equal "query" layers, one head
+    timed = []
+    real = timing.measure
+    monkeypatch.setattr(timing, "measure", lambda todo, **kw: timed.append(len(todo)) or real(todo, **kw))
+    latency = profiling.measure_latency(made, sites, MeasurementCache(None), "fingerprint", repeats=3)
+    assert timed[:2] == [2, 2] and sum(timed) - timed[-1] == 4  # block_0's layer and the head; then casts
+    assert latency.timing("net/block_2/query", "float32") == latency.timing("net/block_0/query", "float32")

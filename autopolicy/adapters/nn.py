@@ -76,6 +76,18 @@ def _shapes(tree: Any) -> list:
     return [[list(np.shape(x)), str(jnp.result_type(x))] for x in jax.tree_util.tree_leaves(tree)]
 
 
+def _config_without_name(layer: Module) -> Any:
+    """The layer's configuration without its name and policy: equal layers of different blocks
+    (``block_0/query``, ``block_1/query``) share one signature, so they are timed once."""
+    text = layer.__dict__.get("_config")
+    if not text:
+        return type(layer).__name__
+    config = json.loads(text)
+    for kwarg in ("name", "dtype"):
+        config.get("kwargs", {}).pop(kwarg, None)
+    return config
+
+
 def _call_layer(layer: Module, args: tuple, kwargs: dict) -> Any:
     return layer(*args, **kwargs)
 
@@ -113,7 +125,7 @@ class NNAdapter:
 
     def _describe(self, path: str) -> TunableLayer:
         layer, call = self._modules[path], self.calls[path]
-        config = layer.__dict__.get("_config") or type(layer).__name__
+        config = _config_without_name(layer)
         signature = json.dumps({"class": type(layer).__name__, "config": config, "weights": _shapes(layer),
                                 "inputs": _shapes((call.args, call.kwargs))}, sort_keys=True, default=str)
         first = jax.tree_util.tree_leaves((call.args, call.kwargs))[0]
