@@ -29,5 +29,6 @@ class Context:
     repeats: int
     max_rounds: int
     min_speedup: float
+    confirm_seconds: float  # time allowed for extra end-to-end rounds that settle close calls
     progress: bool
     reference_model: Any  # the float32 model, as the adapter builds it

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import pandas as pd
 
@@ -14,8 +14,8 @@ from autopolicy.search._defaults import BUDGET_TOLERANCE, REFERENCE
 from autopolicy.search.phases import AccuracyProfile, Budget, Configuration, LatencyProfile, Status
 from autopolicy.search.verify import make_problem
 
-FRONTIER_COLUMNS = ("predicted_accuracy_cost", "predicted_metric", "predicted_latency_s", "nbytes",
-                    "changed_layers", "within_budget", "exact", "policies")
+FRONTIER_COLUMNS = ("source", "name", "predicted_accuracy_cost", "predicted_metric", "predicted_latency_s",
+                    "metric", "measured_latency_s", "nbytes", "changed_layers", "within_budget", "exact", "policies")
 
 
 def profile_frame(latency: LatencyProfile, accuracy: AccuracyProfile, chosen: Configuration) -> pd.DataFrame:
@@ -52,18 +52,48 @@ def profile_frame(latency: LatencyProfile, accuracy: AccuracyProfile, chosen: Co
     return pd.DataFrame(rows)
 
 
-def frontier_frame(latency: LatencyProfile, accuracy: AccuracyProfile, budget: Budget) -> pd.DataFrame:
-    """The predicted Pareto frontier: the fastest assignment for every accuracy cost (empty when
-    the accuracy costs were not measured)."""
+def _measured_frontier(configurations: Sequence[Configuration]) -> list[Configuration]:
+    """The measured configurations no other beats on both metric and measured latency."""
+    scored = [c for c in configurations if c.metric is not None and c.measured_latency_s is not None
+              and math.isfinite(c.metric) and not c.disqualified]
+    unique = {}
+    for c in sorted(scored, key=lambda c: (c.measured_latency_s, -c.metric)):
+        unique.setdefault(json.dumps(c.changed, sort_keys=True), c)
+    out, best = [], -math.inf
+    for c in unique.values():  # fastest first: keep those that improve the metric
+        if c.metric > best:
+            out.append(c)
+            best = c.metric
+    return out
+
+
+def frontier_frame(latency: LatencyProfile, accuracy: AccuracyProfile, budget: Budget,
+                   configurations: Sequence[Configuration] = ()) -> pd.DataFrame:
+    """The Pareto frontiers: ``source="measured"`` rows are the configurations timed and scored
+    end to end that no other beats on both metric and latency (present in every run);
+    ``source="predicted"`` rows are the solver's fastest assignment for every accuracy cost
+    (present when the per-layer costs were measured)."""
     rows = []
+    for c in _measured_frontier(configurations):
+        rows.append({
+            "source": "measured", "name": c.name, "predicted_accuracy_cost": c.predicted_accuracy_cost,
+            "predicted_metric": (budget.baseline_metric - c.predicted_accuracy_cost
+                                 if c.predicted_accuracy_cost is not None else math.nan),
+            "predicted_latency_s": c.calibrated_latency_s if c.calibrated_latency_s is not None else c.predicted_latency_s,
+            "metric": c.metric, "measured_latency_s": c.measured_latency_s, "nbytes": latency.nbytes(c.assignment),
+            "changed_layers": len(c.changed), "within_budget": bool(c.meets_budget), "exact": c.exact,
+            "policies": json.dumps(c.changed, sort_keys=True),
+        })
     if accuracy.measured:
         problem = make_problem(latency, accuracy, budget.allowed_drop, budget.memory_budget)
         for solution in solver.frontier(problem.layers, budget.memory_budget):
             assignment = {k: v for k, v in solution.policies(problem.layers).items() if v != REFERENCE}
             rows.append({
+                "source": "predicted", "name": "",
                 "predicted_accuracy_cost": solution.accuracy_cost,
                 "predicted_metric": budget.baseline_metric - solution.accuracy_cost,
                 "predicted_latency_s": solution.latency,
+                "metric": math.nan, "measured_latency_s": math.nan,
                 "nbytes": solution.nbytes,
                 "changed_layers": len(assignment),
                 "within_budget": solution.accuracy_cost <= budget.allowed_drop + BUDGET_TOLERANCE,
@@ -81,6 +111,10 @@ def _entry(e: Configuration, baseline: float) -> dict[str, Any]:
         "metric": e.metric,
         "drop": None if e.metric is None else baseline - e.metric,
         "meets_budget": e.meets_budget,
+        "calibrated_latency_s": e.calibrated_latency_s,
+        "speedup_vs_float32": e.speedup,
+        "speedup_interval": None if e.speedup_low is None else [e.speedup_low, e.speedup_high],
+        "rounds": e.rounds,
     }
 
 
@@ -114,6 +148,7 @@ def summary(result: Any) -> dict[str, Any]:
         "float32": _entry(float32, baseline),
         "best_uniform": best_uniform.uniform,
         "speedup_vs_float32": float32.measured_latency_s / chosen.measured_latency_s,
+        "speedup_vs_float32_interval": None if chosen.speedup_low is None else [chosen.speedup_low, chosen.speedup_high],
         "speedup_vs_best_uniform": best_uniform.measured_latency_s / chosen.measured_latency_s,
         "uniform": {name: _entry(e, baseline) for name, e in uniforms.items()},
         "maps": [{"round": e.round, "predicted_accuracy_cost": e.predicted_accuracy_cost, "exact": e.exact,
@@ -122,6 +157,10 @@ def summary(result: Any) -> dict[str, Any]:
         "accuracy_profile": "measured" if result.accuracy.measured else "skipped",
         "cache": dict(result.cache_stats),
         "wall_time_s": result.wall_time_s,
+        "decisions": list(result.decisions),
+        "latency_model": {"scale": dict(result.calibration.scale) if result.calibration else {},
+                          "fitted_on": result.calibration.configurations if result.calibration else 0},
+        "noise": dict(result.noise or {}),
     }
     if result.test is not None:
         out["test"] = dict(result.test)

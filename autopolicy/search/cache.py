@@ -70,6 +70,13 @@ class MeasurementCache:
         self._dirty = True
         return value
 
+    def put(self, cache_key: str, value: Any) -> Any:
+        """Records ``value`` under ``cache_key``, replacing what was there (a re-measurement)."""
+        self.misses += 1
+        self.entries[cache_key] = value
+        self._dirty = True
+        return value
+
     def lookup(self, cache_key: str) -> Any:
         """The cached value for ``cache_key`` (counted as a hit), or None (not counted)."""
         if cache_key in self.entries:

@@ -186,6 +186,11 @@ class Configuration:
     measured_latency_cv: float | None = None
     meets_budget: bool | None = None
     disqualified: tuple[str, ...] = ()  # layers whose output is not finite under it
+    calibrated_latency_s: float | None = None  # predicted by the latency model fitted end to end
+    speedup: float | None = None  # vs float32, median of paired rounds
+    speedup_low: float | None = None  # its confidence interval
+    speedup_high: float | None = None
+    rounds: int = 0  # end-to-end rounds it was timed in
 
     @property
     def changed(self) -> dict[str, str]:

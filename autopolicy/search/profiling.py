@@ -14,6 +14,7 @@ from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
 from autopolicy.search._progress import progress as bar
 from autopolicy.search.adapter import ModelAdapter, TunableLayer
 from autopolicy.search.cache import MeasurementCache, key
+from autopolicy.search.noise import NOISY_CV
 from autopolicy.search.phases import LatencyProfile, LayerTiming, Site
 
 __all__ = ["sites", "candidates_for", "measure_latency", "layer_latency", "cast_latency", "profile"]
@@ -49,22 +50,29 @@ def layer_latency(
     cache: MeasurementCache,
     fingerprint: str,
     repeats: int,
+    fresh: set | None = None,
 ) -> dict[str, LayerTiming]:
     """Times the layer under each of its candidates (interleaved) on its real input.
 
-    Layers with equal signatures share their cached timings: identical blocks are timed once.
+    Layers with equal signatures share their cached timings: identical blocks are timed once. A
+    cached timing whose spread says it was noisy is measured again, once, in a later run.
     ``finite`` says whether the output on the real input is free of inf/NaN (a float16 overflow
     disqualifies the policy).
     """
+    fresh = set() if fresh is None else fresh  # keys measured in this run: trusted as they are
     out: dict[str, LayerTiming] = {}
     todo: dict[str, timing.Candidate] = {}
-    keys = {}
+    keys, again = {}, {}
     for policy in site.candidates:
         keys[policy.name] = key(fingerprint, "latency", site.layer.signature, policy.name, repeats, timing.METHOD)
         cached = cache.lookup(keys[policy.name])
-        if cached is not None:
+        # A noisy timing from an earlier run is measured again (once) rather than trusted.
+        trusted = cached is not None and (keys[policy.name] in fresh or cached.get("latency_cv", 0.0) <= NOISY_CV
+                                          or cached.get("remeasured", True))
+        if trusted:
             out[policy.name] = LayerTiming.from_record(cached)
             continue
+        again[policy.name] = cached is not None
         program = adapter.layer_program(site.path, policy)
         todo[policy.name] = timing.Candidate(program.fn, program.args, program.state)
     if todo:
@@ -74,8 +82,9 @@ def layer_latency(
             t = timings[name]
             record = {"latency_s": t.median, "latency_p25_s": t.p25, "latency_p75_s": t.p75, "latency_cv": t.cv,
                       "repeats": t.repeats, "inner": t.inner, "finite": _finite(result),
-                      "nbytes": adapter.layer_bytes(site.path, policies.get(name))}
-            out[name] = LayerTiming.from_record(cache.get_or_measure(keys[name], lambda r=record: r))
+                      "nbytes": adapter.layer_bytes(site.path, policies.get(name)), "remeasured": again[name]}
+            out[name] = LayerTiming.from_record(cache.put(keys[name], record))
+            fresh.add(keys[name])
     return {p.name: out[p.name] for p in site.candidates}
 
 
@@ -123,9 +132,9 @@ def measure_latency(
     progress: bool = False,
 ) -> LatencyProfile:
     """Phase 1: the latency profile of every site, and of the casts the solver may insert."""
-    timings = {}
+    timings, fresh = {}, set()
     for site in bar(progress, layer_sites, "latency", len(layer_sites)):
-        timings[site.path] = layer_latency(adapter, site, cache, fingerprint, repeats)
+        timings[site.path] = layer_latency(adapter, site, cache, fingerprint, repeats, fresh)
         cache.flush()
     casts = cast_latency(_needed_casts(layer_sites), cache, fingerprint, repeats)
     cache.flush()

@@ -49,6 +49,10 @@ class TuneResult:
       cache_stats: Measurement-cache hits and misses.
       wall_time_s: The run's wall time.
       test: ``test_fn`` of float32 and of the chosen model, when given.
+      decisions: How the winner was decided: each challenge, its speed-up with a confidence
+        interval and the rounds it took.
+      calibration: The latency model's per-policy scales, fitted on the end-to-end timings.
+      noise: What the run saw of the machine's load and the timings' spread, and a verdict.
 
     ``profile``, ``frontier`` (DataFrames) and ``summary`` (a JSON-able dict) are derived from
     these; ``save`` writes them.
@@ -68,6 +72,9 @@ class TuneResult:
     cache_stats: dict[str, int]
     wall_time_s: float
     test: dict[str, float] | None = None
+    decisions: tuple[str, ...] = ()
+    calibration: Any = None  # latency_model.Calibration fitted on every end-to-end timing
+    noise: dict[str, Any] | None = None
 
     @functools.cached_property
     def profile(self) -> Any:
@@ -81,7 +88,7 @@ class TuneResult:
         """The predicted latency/accuracy-cost Pareto frontier of per-layer assignments."""
         from autopolicy.search import _report_tables  # pylint: disable=import-outside-toplevel
 
-        return _report_tables.frontier_frame(self.latency, self.accuracy, self.budget)
+        return _report_tables.frontier_frame(self.latency, self.accuracy, self.budget, self.configurations)
 
     @functools.cached_property
     def summary(self) -> dict[str, Any]:

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Timing", "Candidate", "compile_loop", "measure"]
+__all__ = ["Timing", "Candidate", "Timer", "compile_loop", "measure", "summarize"]
 
 #: Part of every cached timing's key: measurements taken by an older method (or an older kernel
 #: implementation) are not reused.
@@ -37,9 +38,10 @@ class Timing:
     cv: float
     repeats: int
     inner: int
+    samples: tuple[float, ...] = ()  # per-call seconds of each round, in round order
 
-    def as_dict(self, prefix: str = "") -> dict[str, float]:
-        return {f"{prefix}{k}": v for k, v in dataclasses.asdict(self).items()}
+    def as_dict(self, prefix: str = "") -> dict[str, Any]:
+        return {f"{prefix}{k}": (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclasses.dataclass
@@ -120,6 +122,88 @@ def _time_once(run: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+class Timer:
+    """Compiled candidates that can be timed for more paired rounds at any time.
+
+    Each round times every candidate once, in a fresh random order, so the i-th samples of two
+    candidates come from the same round: their ratio is a paired comparison, and drift (other
+    processes, clock changes) hits both alike.
+
+    Args:
+      candidates: ``{name: Candidate(fn, inputs, state)}``.
+      warmup: Untimed rounds after compilation.
+      target_seconds: Each timed call runs ``inner`` iterations to last at least this long.
+      seed: Seeds the order of candidates in each round.
+    """
+
+    def __init__(self, candidates: Mapping[str, Candidate], warmup: int = 2,
+                 target_seconds: float = TARGET_CALL_SECONDS, seed: int = 0):
+        self.runners: dict[str, tuple[Callable[[], None], int]] = {}
+        self.samples: dict[str, list[float]] = {}
+        self.warmup = warmup
+        self.target_seconds = target_seconds
+        self._rng = np.random.default_rng(seed)
+        self._cpu = 0.0
+        self._wall = 0.0
+        self.add(candidates)
+
+    def add(self, candidates: Mapping[str, Candidate]) -> None:
+        """Compiles and warms up more candidates (names must be new)."""
+        for name, cand in candidates.items():
+            if name in self.runners:
+                raise ValueError(f"Timer already has a candidate named {name!r}.")
+            single = compile_loop(cand, 1)
+            single()
+            estimate = min(_time_once(single) for _ in range(3))
+            inner = int(min(MAX_INNER, max(1, math.ceil(self.target_seconds / max(estimate, 1e-7)))))
+            self.runners[name] = (compile_loop(cand, inner) if inner > 1 else single, inner)
+            self.samples[name] = []
+            for _ in range(self.warmup):
+                self.runners[name][0]()
+
+    def rounds(self, count: int, names: Sequence[str] | None = None) -> None:
+        """Times ``count`` more rounds of ``names`` (default: every candidate)."""
+        names = list(self.runners) if names is None else list(names)
+        cpu, wall = _cpu_seconds(), time.perf_counter()
+        for _ in range(count):
+            for i in self._rng.permutation(len(names)):
+                run, inner = self.runners[names[i]]
+                self.samples[names[i]].append(_time_once(run) / inner)
+        self._cpu += _cpu_seconds() - cpu
+        self._wall += time.perf_counter() - wall
+
+    def timing(self, name: str) -> Timing:
+        return summarize(self.samples[name], self.runners[name][1])
+
+    def timings(self) -> dict[str, Timing]:
+        return {name: self.timing(name) for name in self.runners}
+
+    @property
+    def cpu_per_wall(self) -> float:
+        """This process's CPU seconds per wall second while timing (nan before any round)."""
+        return self._cpu / self._wall if self._wall > 0 else float("nan")
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def summarize(samples: Sequence[float], inner: int = 1) -> Timing:
+    """Median, quartiles and a robust coefficient of variation of per-call seconds.
+
+    >>> t = summarize([1.0, 2.0, 3.0, 4.0, 5.0])
+    >>> t.median, t.p25, t.p75, round(t.cv, 3), t.repeats
+    (3.0, 2.0, 4.0, 0.494, 5)
+    """
+    arr = np.asarray(samples, dtype=np.float64)
+    median = float(np.median(arr))
+    q25, q75 = np.percentile(arr, [25, 75])
+    # A robust coefficient of variation: scaled inter-quartile range over the median.
+    cv = float((q75 - q25) / 1.349 / median) if median > 0 else float("nan")
+    return Timing(median, float(q25), float(q75), cv, len(arr), inner, tuple(float(x) for x in arr))
+
+
 def measure(
     candidates: Mapping[str, Candidate],
     repeats: int = 15,
@@ -138,29 +222,6 @@ def measure(
     """
     if repeats < 3:
         raise ValueError(f"repeats must be >= 3 for a median and quartiles. Received: repeats={repeats}")
-    runners = {}
-    for name, cand in candidates.items():
-        single = compile_loop(cand, 1)
-        single()
-        estimate = min(_time_once(single) for _ in range(3))
-        inner = int(min(MAX_INNER, max(1, math.ceil(target_seconds / max(estimate, 1e-7)))))
-        runners[name] = (compile_loop(cand, inner) if inner > 1 else single, inner)
-    names = list(runners)
-    rng = np.random.default_rng(seed)
-    for _ in range(warmup):
-        for name in names:
-            runners[name][0]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(repeats):
-        for i in rng.permutation(len(names)):
-            run, inner = runners[names[i]]
-            samples[names[i]].append(_time_once(run) / inner)
-    out = {}
-    for name, values in samples.items():
-        arr = np.asarray(values)
-        median = float(np.median(arr))
-        q25, q75 = np.percentile(arr, [25, 75])
-        # A robust coefficient of variation: scaled inter-quartile range over the median.
-        cv = float((q75 - q25) / 1.349 / median) if median > 0 else float("nan")
-        out[name] = Timing(median, float(q25), float(q75), cv, repeats, runners[name][1])
-    return out
+    timer = Timer(candidates, warmup, target_seconds, seed)
+    timer.rounds(repeats)
+    return timer.timings()

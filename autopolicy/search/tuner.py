@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import math
 import time
+
+import numpy as np
 from typing import Any, Callable, Iterable, Sequence
 
 from autopolicy import policies
-from autopolicy.search import _checks, accuracy as accuracy_phase, hardware, profiling, verify
+from autopolicy.search import _checks, accuracy as accuracy_phase, hardware, latency_model, noise, profiling, verify
 from autopolicy.search._context import Context
 from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
 from autopolicy.search.adapter import AdapterFactory, digest_arrays, get_adapter
 from autopolicy.search.cache import MeasurementCache, key
+from autopolicy.search.endtoend import EndToEnd
 from autopolicy.search.phases import Budget
 from autopolicy.search.result import TuneResult
 from autopolicy.search.sensitivity import Scorer, check_metric
@@ -59,6 +62,7 @@ def tune(
     min_speedup: float = 1.02,
     profile_accuracy: str = "auto",
     adapter: AdapterFactory | None = None,
+    confirm_seconds: float = 30.0,
 ) -> TuneResult:
     """Finds the fastest per-layer policies on this machine whose metric stays within budget.
 
@@ -82,13 +86,16 @@ def tune(
         decide) for float32 and the chosen map.
       repeats: Timing repetitions per layer (end-to-end timings use twice as many).
       max_rounds: Verify/repair rounds.
-      min_speedup: The chosen configuration must be at least this much faster than float32 end to
-        end, or float32 is kept (changes within timing noise are not worth their risk).
+      min_speedup: The margin: a configuration replaces float32 (or a simpler configuration)
+        only when the lower bound of the confidence interval of its end-to-end speed-up, from
+        paired interleaved rounds, is at least this (changes within timing noise are not made).
       profile_accuracy: ``"auto"`` first verifies the fastest assignment (every layer on its
         fastest policy, accuracy ignored) with one evaluation and measures each layer's accuracy
         cost only if that breaks the budget: the fastest assignment that meets the budget is
         already optimal. ``"always"`` measures every layer's cost (a complete sensitivity table
         for the report) before solving, every candidate of every layer, whatever its speed.
+      confirm_seconds: Time allowed for extra paired rounds when a speed-up's interval
+        straddles the margin; after it, the simpler configuration wins.
       adapter: A factory ``adapter(model, sample_args, calibration) -> ModelAdapter`` to use
         instead of the one registered for the model's type.
 
@@ -124,17 +131,27 @@ def tune(
             fingerprint=fingerprint,
             digest=key(made.weights_digest(), digest_arrays(calibration), getattr(eval_fn, "__qualname__", repr(eval_fn))),
             budget=Budget(baseline, allowed, memory_budget), candidates=tuple(candidate_policies), sample_args=args,
-            repeats=repeats, max_rounds=max_rounds, min_speedup=min_speedup, progress=progress,
+            repeats=repeats, max_rounds=max_rounds, min_speedup=min_speedup, confirm_seconds=confirm_seconds,
+            progress=progress,
             reference_model=reference_model)
         latency = profiling.measure_latency(made, layer_sites, cache, fingerprint, repeats, progress)
         models: verify.Models = {}
-        tried, settled = verify.fastest_first(ctx, latency, models) if profile_accuracy == "auto" else ([], False)
+        uniform_configs = verify.uniforms(ctx, latency, models)
+        e2e = EndToEnd(made, models, cache, fingerprint, ctx.digest, [list(np.shape(a)) for a in args])
+        e2e.time_group(uniform_configs, repeats, "calibration")
+        calibration = latency_model.fit(latency, [(u.assignment, e2e.summary(u).median) for u in uniform_configs])
+        tried, settled = verify.fastest_first(ctx, latency, models, calibration) if profile_accuracy == "auto" else (
+            [], False)
         if settled:
             accuracy = accuracy_phase.skipped_accuracy(ctx, latency)
         else:
             accuracy = accuracy_phase.measure_accuracy(ctx, latency, every_candidate=profile_accuracy == "always")
-            tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried)
-        winner, entries, report_only = verify.choose(ctx, latency, tried, models)
+            tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
+        winner, entries, report_only, decisions = verify.choose(ctx, latency, tried, uniform_configs, models, e2e)
+        # The latency model, refitted on every configuration timed, predicts each of them.
+        final = latency_model.fit(latency, [(e.assignment, e.measured_latency_s) for e in entries])
+        entries = [e.with_(calibrated_latency_s=final.predict(latency, e.assignment)) for e in entries]
+        winner = next(e for e in entries if e.name == winner.name)
         evaluations = {"profile": accuracy.evaluations,
                        "verify": ctx.scorer.evaluations - accuracy.evaluations - report_only,
                        "report_only": report_only, "total": ctx.scorer.evaluations}
@@ -147,4 +164,5 @@ def tune(
             configurations=tuple(entries), chosen=winner, budget=ctx.budget, hardware=detected,
             fingerprint=fingerprint, candidates=tuple(p.name for p in candidate_policies), evaluations=evaluations,
             cache_stats={"hits": cache.hits, "misses": cache.misses}, wall_time_s=time.perf_counter() - start,
-            test=test)
+            test=test, decisions=tuple(decisions), calibration=final,
+            noise=noise.assess(latency, e2e))

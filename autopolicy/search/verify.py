@@ -10,23 +10,28 @@ import math
 from typing import Any, Mapping
 
 from autopolicy import policies
-from autopolicy.search import solver, timing
+from autopolicy.search import solver
 from autopolicy.search._context import Context
 from autopolicy.search._defaults import REFERENCE
 from autopolicy.search._progress import progress
 from autopolicy.search.cache import key
+from autopolicy.search.confidence import Speedup
+from autopolicy.search.endtoend import EndToEnd, config_key
+from autopolicy.search.latency_model import IDENTITY, Calibration
 from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem
 
-__all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "measure_end_to_end", "choose", "Models"]
+__all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "decide", "choose", "Models"]
 
 #: Models built for configurations, by configuration name (what ``eval_fn`` scored).
 Models = dict
 
 
 def make_problem(latency: LatencyProfile, accuracy: AccuracyProfile | None, budget: float,
-                 memory_budget: float | None, inflate: Mapping | None = None) -> Problem:
+                 memory_budget: float | None, inflate: Mapping | None = None,
+                 calibration: Calibration = IDENTITY) -> Problem:
     """The solver's layers: measured options with their (inflated) accuracy costs; with no
-    accuracy profile, every option whose layer output stayed finite, at no accuracy cost."""
+    accuracy profile, every option whose layer output stayed finite, at no accuracy cost.
+    Layer latencies are scaled by the calibrated latency model."""
     inflate = inflate or {}
     layers = []
     for site in latency.sites:
@@ -43,7 +48,8 @@ def make_problem(latency: LatencyProfile, accuracy: AccuracyProfile | None, budg
                     continue
                 scale, add = inflate.get((site.path, policy.name), (1.0, 0.0))
                 cost = acc.cost * scale + add
-            options.append(solver.Option(policy.name, policy.compute_dtype, t.latency_s, cost, float(t.nbytes)))
+            seconds = t.latency_s * calibration.factor(policy.name)
+            options.append(solver.Option(policy.name, policy.compute_dtype, seconds, cost, float(t.nbytes)))
         layers.append(solver.Layer(site.path, tuple(options), site.chained, latency.site_casts(site)))
     return Problem(tuple(layers), budget, memory_budget)
 
@@ -68,14 +74,15 @@ def _verified(ctx: Context, models: Models, round_index: int, problem: Problem, 
                          exact=solution.exact, metric=metric, meets_budget=ctx.budget.meets(metric))
 
 
-def fastest_first(ctx: Context, latency: LatencyProfile, models: Models) -> tuple[list[Configuration], bool]:
+def fastest_first(ctx: Context, latency: LatencyProfile, models: Models,
+                  calibration: Calibration = IDENTITY) -> tuple[list[Configuration], bool]:
     """Verifies the fastest assignment (accuracy ignored) with one evaluation.
 
     Returns the verified configurations and whether the search is settled: the fastest
     assignment met the budget (no assignment is faster, so per-layer accuracy costs cannot
     change the choice), or it keeps every layer in float32 (nothing faster to try).
     """
-    problem = make_problem(latency, None, math.inf, ctx.budget.memory_budget)
+    problem = make_problem(latency, None, math.inf, ctx.budget.memory_budget, calibration=calibration)
     solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
     if solution is None:
         return [], False
@@ -86,7 +93,7 @@ def fastest_first(ctx: Context, latency: LatencyProfile, models: Models) -> tupl
 
 
 def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyProfile, models: Models,
-                     tried: list[Configuration]) -> list[Configuration]:
+                     tried: list[Configuration], calibration: Calibration = IDENTITY) -> list[Configuration]:
     """Solves, verifies the map end to end, and while the budget breaks, scales the costs of
     the layers it changed by what was observed and solves again (bounded rounds). Maps in
     ``tried`` are not verified again; the new configurations are returned."""
@@ -94,7 +101,8 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
     new: list[Configuration] = []
     for offset in progress(ctx.progress, range(ctx.max_rounds), "solve and verify"):
         round_index = len(tried) + offset + 1
-        problem = make_problem(latency, accuracy, ctx.budget.allowed_drop, ctx.budget.memory_budget, inflate)
+        problem = make_problem(latency, accuracy, ctx.budget.allowed_drop, ctx.budget.memory_budget, inflate,
+                               calibration)
         solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
         if solution is None:
             break
@@ -115,8 +123,7 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
     return new
 
 
-def uniform(ctx: Context, latency: LatencyProfile, policy: policies.DTypePolicy, tried: list[Configuration],
-            models: Models) -> Configuration:
+def uniform(ctx: Context, latency: LatencyProfile, policy: policies.DTypePolicy, models: Models) -> Configuration:
     """Every tunable layer on ``policy`` (float32 where it has no such kernel)."""
     assignment = {s.path: (policy.name if policy in s.candidates else REFERENCE) for s in latency.sites}
     # A layer whose output is not finite under the policy disqualifies the uniform policy.
@@ -124,72 +131,95 @@ def uniform(ctx: Context, latency: LatencyProfile, policy: policies.DTypePolicy,
     name = f"uniform {policy.name}"
     entry = Configuration(name, "uniform", assignment, ctx.adapter.complete_map(assignment),
                           latency.predicted_latency(assignment), uniform=policy.name, disqualified=broken)
-    same = next((t for t in tried if t.assignment == assignment), None)
-    if same is not None:  # the same model as a verified map: share its model and metric
-        models[name] = models[same.name]
-        return entry.with_(policy_map=same.policy_map, metric=same.metric)
     if policy.name == REFERENCE:
         models[name] = ctx.reference_model
-        return entry.with_(metric=ctx.budget.baseline_metric)
+        return entry.with_(metric=ctx.budget.baseline_metric, meets_budget=True)
     models[name] = ctx.adapter.with_policies(entry.policy_map)
     return entry
 
 
-def measure_end_to_end(ctx: Context, entries: list[Configuration], models: Models) -> list[Configuration]:
-    """Times every configuration's whole model, interleaved (cached by its map)."""
-    todo, keys = {}, []
-    shapes = [list(x.shape) for x in ctx.sample_args if hasattr(x, "shape")]
-    for e in entries:
-        cache_key = key(ctx.fingerprint, "e2e", ctx.digest, policies.serialize(e.policy_map), shapes,
-                        ctx.repeats, timing.METHOD)
-        keys.append(cache_key)
-        if ctx.cache.lookup(cache_key) is None and cache_key not in todo:
-            program = ctx.adapter.model_program(models[e.name])
-            todo[cache_key] = timing.Candidate(program.fn, program.args, program.state)
-    measured = timing.measure(todo, repeats=2 * ctx.repeats) if todo else {}
-    for cache_key, t in measured.items():
-        ctx.cache.get_or_measure(cache_key, lambda t=t: t.as_dict("latency_"))
-    ctx.cache.flush()
-    out = []
-    for e, cache_key in zip(entries, keys):
-        stats = ctx.cache.entries[cache_key]
-        out.append(e.with_(measured_latency_s=stats["latency_median"], measured_latency_cv=stats["latency_cv"]))
-    return out
-
-
-def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration],
-           models: Models) -> tuple[Configuration, list[Configuration], int]:
-    """The fastest configuration that meets the budget, among the verified maps and the uniform
-    policies (timed together); float32 unless it is ``min_speedup`` faster.
-
-    Returns the winner, every configuration, and the evaluations spent only to report the best
-    uniform policy.
-    """
+def uniforms(ctx: Context, latency: LatencyProfile, models: Models) -> list[Configuration]:
+    """float32 first, then every other candidate as a uniform policy."""
     reference = policies.DTypePolicy(REFERENCE)
-    uniforms = [uniform(ctx, latency, p, tried, models)
-                for p in [reference] + [c for c in ctx.candidates if c.name != REFERENCE]]
-    timed = measure_end_to_end(ctx, tried + uniforms, models)
-    tried, uniforms = timed[:len(tried)], timed[len(tried):]
-    best_map = min((e for e in tried if e.meets_budget), key=lambda e: e.measured_latency_s, default=None)
-    bar = best_map.measured_latency_s if best_map else math.inf
-    float32 = uniforms[0].measured_latency_s
+    return [uniform(ctx, latency, p, models) for p in [reference] + [c for c in ctx.candidates if c != reference]]
+
+
+def _timed(e2e: EndToEnd, config: Configuration, float32: Configuration) -> Configuration:
+    t, s = e2e.summary(config), e2e.speedup(config, float32)
+    return config.with_(measured_latency_s=t.median, measured_latency_cv=t.cv, speedup=s.median,
+                        speedup_low=s.low, speedup_high=s.high, rounds=s.rounds)
+
+
+def _challenge(ctx: Context, e2e: EndToEnd, challenger: Configuration, incumbent: Configuration) -> Speedup:
+    """The challenger's speed-up over the incumbent; while its interval straddles the margin,
+    more paired rounds of the two, up to the run's confirmation time."""
+    speedup = e2e.speedup(challenger, incumbent)
+    while (speedup.straddles(ctx.min_speedup) and e2e.extra_seconds < ctx.confirm_seconds
+           and e2e.more([challenger, incumbent], ctx.repeats)):
+        speedup = e2e.speedup(challenger, incumbent)
+    return speedup
+
+
+def decide(ctx: Context, e2e: EndToEnd, float32: Configuration,
+           contenders: list[Configuration]) -> tuple[Configuration, list[str]]:
+    """Float32 unless a configuration is faster by the margin with confidence.
+
+    Uniform policies challenge first (fastest first), then maps challenge the incumbent: a map
+    replaces a uniform policy only if it is itself faster by the margin. When an interval
+    straddles the margin after the extra rounds, the simpler incumbent stays.
+    """
+    incumbent, log = float32, []
+    for kind in ("uniform", "map"):
+        for c in sorted((c for c in contenders if c.kind == kind), key=lambda c: c.measured_latency_s):
+            if config_key(c) == config_key(incumbent):
+                continue
+            speedup = _challenge(ctx, e2e, c, incumbent)
+            verdict = "replaces" if speedup.clears(ctx.min_speedup) else "does not replace"
+            log.append(f"{c.name} {verdict} {incumbent.name}: {speedup} (margin {ctx.min_speedup:g})")
+            if speedup.clears(ctx.min_speedup):
+                incumbent = c
+                break
+    return incumbent, log
+
+
+def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], uniform_configs: list[Configuration],
+           models: Models, e2e: EndToEnd) -> tuple[Configuration, list[Configuration], int, list[str]]:
+    """Times every configuration together, scores the uniform policies that could matter, and
+    decides with confidence (:func:`decide`).
+
+    Returns the winner, every configuration (maps, then uniform policies, with their
+    end-to-end figures), the evaluations spent only to report the best uniform policy, and the
+    decision log.
+    """
+    group = e2e.time_group(tried + uniform_configs, 2 * ctx.repeats, "final")
+    float32 = _timed(e2e, uniform_configs[0], uniform_configs[0])
+    tried = [_timed(e2e, c, float32) for c in tried]
+    timed_uniforms = [_timed(e2e, c, float32) for c in uniform_configs]
+    best_map = min((e.measured_latency_s for e in tried if e.meets_budget), default=math.inf)
     report_only = 0
     # A uniform policy needs its metric if it could beat the map on latency (a decision), or
     # if it is faster than float32 (to report the best uniform policy honestly).
-    for i in sorted(range(len(uniforms)), key=lambda i: uniforms[i].measured_latency_s):
-        u = uniforms[i]
-        if u.metric is None and not u.disqualified and u.measured_latency_s < max(bar, float32):
+    for i, u in enumerate(timed_uniforms):
+        if u.metric is None and not u.disqualified and u.measured_latency_s < max(best_map, float32.measured_latency_s):
             before = ctx.scorer.evaluations
             metric = _evaluate(ctx, u.name, u.policy_map, models[u.name])
-            if u.measured_latency_s >= bar:
+            if u.measured_latency_s >= best_map:
                 report_only += ctx.scorer.evaluations - before
-            uniforms[i] = u.with_(metric=metric)
-    uniforms = [u.with_(meets_budget=None if u.metric is None else ctx.budget.meets(u.metric) and not u.disqualified)
-                for u in uniforms]
-    entries = tried + uniforms
-    # Ties (the same model reached as a map and as a uniform policy) go to the map.
-    winner = min((e for e in entries if e.meets_budget), key=lambda e: (e.measured_latency_s, e.kind != "map"))
-    # A change must pay for itself: within noise of float32, float32 stays.
-    if winner.measured_latency_s * ctx.min_speedup > uniforms[0].measured_latency_s:
-        winner = uniforms[0]
-    return winner, entries, report_only
+            timed_uniforms[i] = u.with_(metric=metric)
+    timed_uniforms = [u.with_(meets_budget=None if u.metric is None else ctx.budget.meets(u.metric) and not u.disqualified)
+                      for u in timed_uniforms]
+    contenders = [c for c in tried + timed_uniforms[1:] if c.meets_budget]
+    # The decision is cached with its rounds: a rerun reaches the same one without timing.
+    decision_key = key(group, "decision", ctx.min_speedup, ctx.confirm_seconds)
+    cached = ctx.cache.lookup(decision_key)
+    if cached is not None:
+        winner, log = next(c for c in [timed_uniforms[0]] + contenders if c.name == cached["winner"]), cached["log"]
+    else:
+        winner, log = decide(ctx, e2e, timed_uniforms[0], contenders)
+        e2e.persist(group)
+        ctx.cache.put(decision_key, {"winner": winner.name, "log": log})
+        ctx.cache.flush()
+    # Extra rounds changed the pairs they timed: refresh every figure from all rounds.
+    entries = [_timed(e2e, c, timed_uniforms[0]) for c in tried + timed_uniforms]
+    winner = next(e for e in entries if e.name == winner.name)
+    return winner, entries, report_only, log

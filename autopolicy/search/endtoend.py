@@ -1,0 +1,118 @@
+"""Whole-model timings of configurations, in paired rounds, cached as a group.
+
+Every configuration is compiled once; rounds time all of them (or a pair) in a random order,
+so any two that shared a round compare paired. A group of rounds is cached under the set of
+maps it timed: a rerun of the same run reuses it and makes the same decision without timing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from autopolicy import policies
+from autopolicy.search import timing
+from autopolicy.search.cache import MeasurementCache, key
+from autopolicy.search.confidence import Speedup, paired_speedup
+from autopolicy.search.phases import Configuration
+
+__all__ = ["EndToEnd", "config_key"]
+
+
+def config_key(config: Configuration) -> str:
+    """A configuration's identity for timing: its map (equal maps are one model)."""
+    return key(policies.serialize(config.policy_map))
+
+
+class EndToEnd:
+    """Paired end-to-end timings of the configurations of one run.
+
+    Args:
+      adapter: The model adapter (its ``model_program`` turns a model into a timed program).
+      models: The models by configuration name.
+      cache, fingerprint, digest, shapes: Where and under what the groups are cached.
+    """
+
+    def __init__(self, adapter: Any, models: dict, cache: MeasurementCache, fingerprint: str, digest: str,
+                 shapes: list):
+        self.adapter = adapter
+        self.models = models
+        self.cache = cache
+        self.prefix = (fingerprint, digest, shapes, timing.METHOD)
+        self.rounds: list[dict[str, float]] = []  # seconds per call by config key, round by round
+        self.timer: timing.Timer | None = None
+        self.extra_seconds = 0.0  # spent on rounds taken to settle close calls
+        self.from_cache = False
+        self._cpu_per_wall: list[float] = []
+        self._starts: dict[str, int] = {}
+
+    def time_group(self, configs: Sequence[Configuration], rounds: int, tag: str) -> str:
+        """Times ``rounds`` rounds of ``configs`` together, or loads them from the cache.
+
+        Returns the group's cache key (see :meth:`persist`)."""
+        keys = sorted({config_key(c) for c in configs})
+        group = key(*self.prefix, tag, keys, rounds)
+        cached = self.cache.lookup(group)
+        self._starts[group] = len(self.rounds)
+        if cached is not None:
+            self.rounds += [dict(r) for r in cached["rounds"]]
+            self.from_cache = True
+            return group
+        self._time(configs, rounds)
+        self.persist(group)
+        return group
+
+    def persist(self, group: str) -> None:
+        """Caches every round taken since ``group`` began (its extra rounds included)."""
+        if not self.from_cache:
+            self.cache.put(group, {"rounds": self.rounds[self._starts[group]:]})
+            self.cache.flush()
+
+    def _time(self, configs: Sequence[Configuration], rounds: int) -> None:
+        names = {config_key(c): c for c in configs}
+        todo = {}
+        for k, config in names.items():
+            if self.timer is None or k not in self.timer.runners:
+                program = self.adapter.model_program(self.models[config.name])
+                todo[k] = timing.Candidate(program.fn, program.args, program.state)
+        if todo:
+            if self.timer is None:
+                self.timer = timing.Timer(todo)
+            else:
+                self.timer.add(todo)
+        before = {k: len(self.timer.samples[k]) for k in names}
+        self.timer.rounds(rounds, list(names))
+        for i in range(rounds):
+            self.rounds.append({k: self.timer.samples[k][before[k] + i] for k in names})
+        self._cpu_per_wall.append(self.timer.cpu_per_wall)
+
+    def more(self, configs: Sequence[Configuration], rounds: int) -> bool:
+        """Takes more rounds of ``configs`` to settle a close call; False when it cannot (the
+        group came from the cache: the cached decision stands)."""
+        if self.from_cache:
+            return False
+        start = time.perf_counter()
+        self._time(configs, rounds)
+        self.extra_seconds += time.perf_counter() - start
+        return True
+
+    def samples(self, config: Configuration) -> list[float]:
+        k = config_key(config)
+        return [r[k] for r in self.rounds if k in r]
+
+    def summary(self, config: Configuration) -> timing.Timing:
+        return timing.summarize(self.samples(config))
+
+    def speedup(self, candidate: Configuration, reference: Configuration) -> Speedup:
+        """``candidate``'s speed-up over ``reference`` from the rounds that timed both."""
+        a, b = config_key(candidate), config_key(reference)
+        if a == b:
+            n = len(self.samples(candidate))
+            return Speedup(1.0, 1.0, 1.0, n)
+        pairs = [(r[b], r[a]) for r in self.rounds if a in r and b in r]
+        return paired_speedup([p[0] for p in pairs], [p[1] for p in pairs])
+
+    @property
+    def cpu_per_wall(self) -> float:
+        values = [v for v in self._cpu_per_wall if v == v]
+        return sum(values) / len(values) if values else float("nan")
