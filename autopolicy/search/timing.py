@@ -10,8 +10,8 @@ random order each round, so drift (thermal, other processes) hits them alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,7 +23,7 @@ __all__ = ["Timing", "Candidate", "Timer", "compile_loop", "measure", "summarize
 
 #: Part of every cached timing's key: measurements taken by an older method (or an older kernel
 #: implementation) are not reused.
-METHOD = "loop-carry-4"
+METHOD = "loop-carry-5"
 TARGET_CALL_SECONDS = 2e-3  # each timed call runs at least this long (amortizes dispatch)
 MAX_INNER = 1000
 
@@ -75,10 +75,15 @@ def _perturb(args: tuple, carry: jax.Array, eps: jax.Array) -> tuple:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def compile_loop(candidate: Candidate, inner: int) -> Callable[[], None]:
-    """Compiles ``inner`` dependent calls of the candidate and returns a blocking runner."""
+def compile_loop(candidate: Candidate, inner: int | None = None) -> Callable[..., None]:
+    """Compiles dependent calls of the candidate, once, and returns a blocking runner.
 
-    def loop(state, inputs, eps):
+    The number of calls is a runtime argument of the compiled loop: ``runner(n)`` runs ``n``
+    calls (default ``inner``), so estimating a call's time and timing many calls share one
+    compilation (whole models take seconds to compile).
+    """
+
+    def loop(state, inputs, eps, count):
         def step(scalar):
             return candidate.call(state, _perturb(inputs, scalar, eps))
 
@@ -93,7 +98,7 @@ def compile_loop(candidate: Candidate, inner: int) -> Callable[[], None]:
         zero = jnp.zeros((), jnp.float32)
         shapes = jax.eval_shape(step, zero)
         init = (zero, jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
-        return jax.lax.fori_loop(0, inner, body, init)
+        return jax.lax.fori_loop(0, count, body, init)
 
     state = candidate.state
     # Arrays are traced; anything else in the inputs (flags, None) stays a Python constant.
@@ -107,11 +112,13 @@ def compile_loop(candidate: Candidate, inner: int) -> Callable[[], None]:
             full[i] = v
         return jax.tree_util.tree_unflatten(treedef, full)
 
-    compiled = jax.jit(lambda st, arr, eps: loop(st, rebuild(arr), eps)).lower(state, arrays, jnp.float32(0.0)).compile()
+    compiled = jax.jit(lambda st, arr, eps, n: loop(st, rebuild(arr), eps, n)).lower(
+        state, arrays, jnp.float32(0.0), jnp.int32(1)).compile()
     eps = jnp.float32(0.0)
+    default = jnp.int32(1 if inner is None else inner)
 
-    def run() -> None:
-        jax.block_until_ready(compiled(state, arrays, eps))
+    def run(count: int | None = None) -> None:
+        jax.block_until_ready(compiled(state, arrays, eps, default if count is None else jnp.int32(count)))
 
     return run
 
@@ -152,11 +159,11 @@ class Timer:
         for name, cand in candidates.items():
             if name in self.runners:
                 raise ValueError(f"Timer already has a candidate named {name!r}.")
-            single = compile_loop(cand, 1)
-            single()
-            estimate = min(_time_once(single) for _ in range(3))
+            runner = compile_loop(cand)
+            runner(1)
+            estimate = min(_time_once(lambda: runner(1)) for _ in range(3))
             inner = int(min(MAX_INNER, max(1, math.ceil(self.target_seconds / max(estimate, 1e-7)))))
-            self.runners[name] = (compile_loop(cand, inner) if inner > 1 else single, inner)
+            self.runners[name] = (functools.partial(runner, inner), inner)
             self.samples[name] = []
             for _ in range(self.warmup):
                 self.runners[name][0]()
@@ -185,8 +192,7 @@ class Timer:
 
 
 def _cpu_seconds() -> float:
-    times = os.times()
-    return times.user + times.system
+    return time.process_time()  # every thread of this process, user and system
 
 
 def summarize(samples: Sequence[float], inner: int = 1) -> Timing:
