@@ -89,9 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--memory-budget", type=_size, default=None, help="cap on weight bytes, e.g. 10MB")
     tune.add_argument("--out", default=None, help="run directory (default: runs/EXPERIMENT); reruns resume")
     tune.add_argument("--repeats", type=_positive_int, default=20, help="timing repetitions per layer")
-    tune.add_argument("--profile-accuracy", choices=("auto", "always"), default="auto",
-                      help="auto: measure per-layer accuracy costs only if the fastest assignment breaks the "
-                           "budget; always: measure them all (a complete sensitivity table)")
+    tune.add_argument("--profile-accuracy", choices=("auto", "measure", "always"), default="auto",
+                      help="if the fastest assignment breaks the budget, auto: estimate per-layer costs from "
+                           "layer output errors and verify end to end (measure only if that fails); measure: "
+                           "measure each layer's cost; always: measure every cost up front (a complete "
+                           "sensitivity table)")
     tune.add_argument("--no-report", action="store_true", help="skip writing the report")
     tune.add_argument("--no-progress", action="store_true", help="no progress bars")
 

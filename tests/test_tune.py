@@ -67,7 +67,14 @@ def test_summary_figures_are_consistent(trained, result):
     measured = profile[profile["status"] == "measured"]
     assert (measured["accuracy_cost"] >= 0).all() and measured["sqnr_db"].notna().all()
     frontier = result.frontier
-    assert list(frontier["predicted_accuracy_cost"]) == sorted(frontier["predicted_accuracy_cost"])
+    predicted = frontier[frontier["source"] == "predicted"]
+    assert len(predicted) >= 1 and list(predicted["predicted_accuracy_cost"]) == sorted(
+        predicted["predicted_accuracy_cost"])
+    measured_points = frontier[frontier["source"] == "measured"]
+    # The most accurate configuration measured and the fastest one are always on it.
+    scored = [c for c in result.configurations if c.metric is not None]
+    assert measured_points["metric"].max() == max(c.metric for c in scored)
+    assert measured_points["measured_latency_s"].min() == min(c.measured_latency_s for c in scored)
     assert 0 <= s["test"]["chosen"] <= 1
 
 
@@ -163,10 +170,13 @@ def test_models_the_search_cannot_tune(trained):
 
 def _int8_ten_times_faster(monkeypatch):
     """Makes the layer timings say int8 is 10x faster (so the fastest assignment is known
-    whatever machine runs the test)."""
+    whatever machine runs the test), and keeps the latency model from correcting that with
+    real end-to-end timings."""
     import dataclasses
 
-    from autopolicy.search import profiling
+    from autopolicy.search import latency_model, profiling
+
+    monkeypatch.setattr(latency_model, "fit", lambda *args, **kwargs: latency_model.IDENTITY)
 
     real = profiling.layer_latency
 
@@ -206,11 +216,11 @@ def test_auto_profile_skips_sensitivity_when_the_fastest_assignment_meets_the_bu
     assert len(calls) == 1 + s["evaluations"]["total"]  # the float32 baseline, then the counted ones
 
 
-def test_auto_profile_measures_sensitivity_when_the_fastest_assignment_breaks_the_budget(trained, monkeypatch):
+def test_measure_profile_measures_sensitivity_when_the_fastest_assignment_breaks_the_budget(trained, monkeypatch):
     _int8_ten_times_faster(monkeypatch)
     result = search.tune(trained, lambda m: 1.0 - 0.1 * _int8_layers(m), SAMPLE,
                          candidates=["float32", "int8_from_float32"], max_drop=0.15, relative=False,
-                         repeats=3, progress=False)
+                         repeats=3, progress=False, profile_accuracy="measure")
     s = result.summary
     assert s["accuracy_profile"] == "measured"
     assert s["evaluations"]["profile"] == 3  # each layer alone on int8
@@ -223,6 +233,30 @@ def test_auto_profile_measures_sensitivity_when_the_fastest_assignment_breaks_th
     assert s["chosen"]["drop"] <= 0.15 + 1e-12
 
 
-def test_profile_accuracy_must_be_auto_or_always(trained):
-    with pytest.raises(ValueError, match=r"\['auto', 'always'\].*profile_accuracy='sometimes'"):
+def test_auto_profile_estimates_costs_from_layer_output_errors_when_the_fastest_assignment_breaks_the_budget(
+        trained, monkeypatch):
+    _int8_ten_times_faster(monkeypatch)
+    calls = []
+    result = search.tune(trained, lambda m: calls.append(1) or 1.0 - 0.1 * _int8_layers(m), SAMPLE,
+                         candidates=["float32", "int8_from_float32"], max_drop=0.15, relative=False,
+                         repeats=3, progress=False)
+    s = result.summary
+    assert s["accuracy_profile"] == "estimated" and s["evaluations"]["profile"] == 0
+    # The fastest map (three int8 layers) lost 0.3: the scale makes its layers' errors add up to it.
+    errors = result.profile.set_index(["layer", "policy"])["accuracy_cost"]
+    int8 = errors.xs("int8_from_float32", level="policy")
+    assert int8.sum() == pytest.approx(0.3) and s["accuracy_scale"] > 0
+    assert set(result.profile.loc[result.profile["policy"] == "int8_from_float32", "status"]) == {
+        "estimated: layer output error, scaled to the observed drop"}
+    # The next rounds follow the estimates (least error first), repaired by each observed drop,
+    # until a map keeps within budget: one int8 layer (0.1 <= 0.15).
+    maps = [c for c in result.configurations if c.kind == "map"]
+    assert maps[1].changed and int8.idxmin() in maps[1].changed
+    assert maps[-1].meets_budget and s["maps"][-1]["drop"] == pytest.approx(0.1)
+    assert all(not m.meets_budget for m in maps[:-1])
+    assert s["evaluations"]["verify"] == len(maps) and len(calls) == 1 + s["evaluations"]["total"]
+
+
+def test_profile_accuracy_must_be_auto_measure_or_always(trained):
+    with pytest.raises(ValueError, match=r"\['auto', 'measure', 'always'\].*profile_accuracy='sometimes'"):
         search.tune(trained, val_accuracy, SAMPLE, profile_accuracy="sometimes", progress=False)

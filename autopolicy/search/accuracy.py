@@ -9,9 +9,9 @@ from autopolicy.search._context import Context
 from autopolicy.search._defaults import REFERENCE
 from autopolicy.search._progress import progress as bar
 from autopolicy.search.cache import key
-from autopolicy.search.phases import AccuracyProfile, LatencyProfile, LayerAccuracy, Site, Status
+from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, LayerAccuracy, Site, Status
 
-__all__ = ["dominated", "measure_accuracy", "skipped_accuracy"]
+__all__ = ["dominated", "measure_accuracy", "skipped_accuracy", "estimate_accuracy"]
 
 
 def _reference(baseline: float) -> LayerAccuracy:
@@ -37,7 +37,7 @@ def skipped_accuracy(ctx: Context, latency: LatencyProfile) -> AccuracyProfile:
             finite = latency.timing(site.path, policy.name).finite
             table[policy.name] = LayerAccuracy(Status.NOT_NEEDED if finite else Status.NONFINITE_LAYER)
         entries[site.path] = table
-    return AccuracyProfile(entries, measured=False, evaluations=0)
+    return AccuracyProfile(entries, method="skipped", evaluations=0)
 
 
 def _score(ctx: Context, site: Site, policy: policies.DTypePolicy) -> LayerAccuracy:
@@ -72,4 +72,33 @@ def measure_accuracy(ctx: Context, latency: LatencyProfile, every_candidate: boo
             entries[site.path][policy.name] = LayerAccuracy(Status.SLOWER)
         else:
             entries[site.path][policy.name] = _score(ctx, site, policy)
-    return AccuracyProfile(entries, measured=True, evaluations=ctx.scorer.evaluations - before)
+    return AccuracyProfile(entries, method="measured", evaluations=ctx.scorer.evaluations - before)
+
+
+def estimate_accuracy(ctx: Context, latency: LatencyProfile, observed: Configuration) -> AccuracyProfile | None:
+    """Per-layer costs estimated without scoring a layer: each candidate's relative output
+    error at its layer (measured with its latency), times one scale fitted so that the changed
+    layers of ``observed`` (a map scored end to end) add up to its observed drop.
+
+    Returns None when no scale can be fitted (the observed map lost nothing, or its layers'
+    errors are unknown or zero).
+    """
+    drop = ctx.budget.baseline_metric - observed.metric if observed.metric is not None else math.nan
+    errors = [latency.timing(p, n).output_error for p, n in observed.changed.items()]
+    total = sum(errors)
+    if not (math.isfinite(drop) and drop > 0 and math.isfinite(total) and total > 0):
+        return None
+    scale = drop / total
+    entries = {}
+    for site in latency.sites:
+        table = {REFERENCE: _reference(ctx.budget.baseline_metric)}
+        for policy in site.candidates[1:]:
+            t = latency.timing(site.path, policy.name)
+            if not t.finite:
+                table[policy.name] = LayerAccuracy(Status.NONFINITE_LAYER)
+            elif not math.isfinite(t.output_error):
+                table[policy.name] = LayerAccuracy(Status.NOT_ESTIMATED)
+            else:
+                table[policy.name] = LayerAccuracy(Status.ESTIMATED, cost=scale * t.output_error)
+        entries[site.path] = table
+    return AccuracyProfile(entries, method="estimated", evaluations=0, scale=scale)

@@ -38,6 +38,8 @@ class Status:
     NOT_NEEDED = "not needed: the fastest assignment met the budget"
     NONFINITE_LAYER = "disqualified: non-finite layer output"
     NONFINITE_MODEL = "disqualified: non-finite model output or metric"
+    ESTIMATED = "estimated: layer output error, scaled to the observed drop"
+    NOT_ESTIMATED = "not estimated: the layer output error is unknown"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,7 @@ class LayerTiming:
     finite: bool  # its output on the real input is free of inf/NaN
     nbytes: int
     kernel: str = ""  # the kernel (tactic) it runs, where its mode has several
+    output_error: float = math.nan  # relative squared error of its output vs float32 on the real input
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "LayerTiming":
@@ -124,7 +127,7 @@ class LayerAccuracy:
 
     @property
     def usable(self) -> bool:
-        return self.status in (Status.REFERENCE, Status.MEASURED)
+        return self.status in (Status.REFERENCE, Status.MEASURED, Status.ESTIMATED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +135,14 @@ class AccuracyProfile:
     """Phase 2: per-layer accuracy costs (or why they were not measured)."""
 
     entries: Mapping[str, Mapping[str, LayerAccuracy]]  # path -> policy name -> accuracy
-    measured: bool  # False when the fastest assignment met the budget and nothing was scored
+    method: str  # "measured" (one layer at a time, end to end), "estimated" or "skipped"
     evaluations: int
+    scale: float | None = None  # estimated: metric drop per unit of relative output error
+
+    @property
+    def measured(self) -> bool:
+        """Whether there are per-layer costs (measured or estimated) to solve with."""
+        return self.method != "skipped"
 
     def get(self, path: str, policy: str) -> LayerAccuracy | None:
         return self.entries.get(path, {}).get(policy)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from autopolicy import policies
 from autopolicy.search import timing
@@ -17,7 +19,7 @@ from autopolicy.search.cache import MeasurementCache, key
 from autopolicy.search.noise import NOISY_CV
 from autopolicy.search.phases import LatencyProfile, LayerTiming, Site
 
-__all__ = ["sites", "candidates_for", "measure_latency", "layer_latency", "cast_latency", "profile"]
+__all__ = ["sites", "candidates_for", "measure_latency", "layer_latency", "relative_error", "cast_latency", "profile"]
 
 
 def candidates_for(layer: TunableLayer, candidates: Sequence[policies.DTypePolicy]) -> tuple[policies.DTypePolicy, ...]:
@@ -42,6 +44,27 @@ def sites(layers: Sequence[TunableLayer], candidates: Sequence[policies.DTypePol
 def _finite(out: Any) -> bool:
     return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(out)
                if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
+def _as_candidate(program: Any) -> timing.Candidate:
+    return timing.Candidate(program.fn, program.args, program.state)
+
+
+def relative_error(reference: Any, output: Any) -> float:
+    """``sum((output - reference)^2) / sum(reference^2)`` over the floating leaves, in float64
+    (nan when an output is not finite or the reference is all zeros).
+
+    >>> round(relative_error(jnp.array([1.0, 2.0]), jnp.array([1.0, 2.1])), 6)
+    0.002
+    """
+    num = den = 0.0
+    for r, o in zip(jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(output)):
+        if not jnp.issubdtype(jnp.result_type(r), jnp.inexact):
+            continue
+        r64, o64 = np.asarray(r, np.float64), np.asarray(o, np.float64)
+        num += float(np.sum((o64 - r64) ** 2))
+        den += float(np.sum(r64 ** 2))
+    return num / den if den > 0 and math.isfinite(num) else math.nan
 
 
 def layer_latency(
@@ -74,15 +97,20 @@ def layer_latency(
             continue
         again[policy.name] = cached is not None
         program = adapter.layer_program(site.path, policy)
-        todo[policy.name] = timing.Candidate(program.fn, program.args, program.state)
+        todo[policy.name] = _as_candidate(program)
     if todo:
         timings = timing.measure(todo, repeats=repeats)
+        reference = None
         for name, cand in todo.items():
             result = jax.jit(cand.fn)(cand.state, *cand.inputs)
+            if reference is None:
+                ref = todo.get(REFERENCE) or _as_candidate(adapter.layer_program(site.path, policies.get(REFERENCE)))
+                reference = result if name == REFERENCE else jax.jit(ref.fn)(ref.state, *ref.inputs)
             t = timings[name]
             record = {"latency_s": t.median, "latency_p25_s": t.p25, "latency_p75_s": t.p75, "latency_cv": t.cv,
                       "repeats": t.repeats, "inner": t.inner, "finite": _finite(result),
-                      "nbytes": adapter.layer_bytes(site.path, policies.get(name)), "remeasured": again[name]}
+                      "nbytes": adapter.layer_bytes(site.path, policies.get(name)), "remeasured": again[name],
+                      "output_error": relative_error(reference, result)}
             out[name] = LayerTiming.from_record(cache.put(keys[name], record))
             fresh.add(keys[name])
     return {p.name: out[p.name] for p in site.candidates}

@@ -22,7 +22,7 @@ from autopolicy.search.sensitivity import Scorer, check_metric
 
 __all__ = ["tune", "DEFAULT_CANDIDATES"]
 
-PROFILE_ACCURACY = ("auto", "always")
+PROFILE_ACCURACY = ("auto", "measure", "always")
 
 
 def _baseline_metric(eval_fn: Callable[[Any], float], model: Any) -> float:
@@ -89,11 +89,17 @@ def tune(
       min_speedup: The margin: a configuration replaces float32 (or a simpler configuration)
         only when the lower bound of the confidence interval of its end-to-end speed-up, from
         paired interleaved rounds, is at least this (changes within timing noise are not made).
-      profile_accuracy: ``"auto"`` first verifies the fastest assignment (every layer on its
-        fastest policy, accuracy ignored) with one evaluation and measures each layer's accuracy
-        cost only if that breaks the budget: the fastest assignment that meets the budget is
-        already optimal. ``"always"`` measures every layer's cost (a complete sensitivity table
-        for the report) before solving, every candidate of every layer, whatever its speed.
+      profile_accuracy: How per-layer accuracy costs are obtained. Every mode first verifies
+        the fastest assignment (every layer on its fastest policy, accuracy ignored) with one
+        evaluation; if it meets the budget nothing faster exists and no cost is needed.
+        Otherwise, ``"auto"`` estimates each layer's cost from its output error under each
+        candidate (measured with its latency: no evaluation), scaled so that the fastest
+        assignment's layers add up to its observed drop, then solves and verifies end to end
+        (repairing the estimates by what it observes); only if no map within budget is found
+        that way are costs measured one layer at a time. ``"measure"`` measures them one layer
+        at a time (the rest float32, scored with ``eval_fn``) as soon as the fastest assignment
+        breaks the budget. ``"always"`` measures every candidate of every layer, whatever its
+        speed, before solving (a complete sensitivity table for the report).
       confirm_seconds: Time allowed for extra paired rounds when a speed-up's interval
         straddles the margin; after it, the simpler configuration wins.
       adapter: A factory ``adapter(model, sample_args, calibration) -> ModelAdapter`` to use
@@ -112,6 +118,8 @@ def tune(
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup >= 1:
         raise ValueError(f"min_speedup must be a number >= 1. Received: min_speedup={min_speedup!r}")
+    if isinstance(confirm_seconds, bool) or not isinstance(confirm_seconds, (int, float)) or not confirm_seconds >= 0:
+        raise ValueError(f"confirm_seconds must be a number >= 0. Received: confirm_seconds={confirm_seconds!r}")
     if profile_accuracy not in PROFILE_ACCURACY:
         raise ValueError(f"profile_accuracy must be one of {list(PROFILE_ACCURACY)}. "
                          f"Received: profile_accuracy={profile_accuracy!r}")
@@ -140,11 +148,16 @@ def tune(
         e2e = EndToEnd(made, models, cache, fingerprint, ctx.digest, [list(np.shape(a)) for a in args])
         e2e.time_group(uniform_configs, repeats, "calibration")
         calibration = latency_model.fit(latency, [(u.assignment, e2e.summary(u).median) for u in uniform_configs])
-        tried, settled = verify.fastest_first(ctx, latency, models, calibration) if profile_accuracy == "auto" else (
-            [], False)
-        if settled:
-            accuracy = accuracy_phase.skipped_accuracy(ctx, latency)
-        else:
+        tried, settled = ([], False) if profile_accuracy == "always" else verify.fastest_first(
+            ctx, latency, models, calibration)
+        accuracy = accuracy_phase.skipped_accuracy(ctx, latency) if settled else None
+        if not settled and profile_accuracy == "auto" and tried:
+            accuracy = accuracy_phase.estimate_accuracy(ctx, latency, tried[0])
+            if accuracy is not None:
+                tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
+                if not any(t.meets_budget for t in tried):
+                    accuracy = None  # the estimates misled: measure one layer at a time
+        if accuracy is None:
             accuracy = accuracy_phase.measure_accuracy(ctx, latency, every_candidate=profile_accuracy == "always")
             tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
         winner, entries, report_only, decisions = verify.choose(ctx, latency, tried, uniform_configs, models, e2e)
