@@ -1,108 +1,129 @@
-"""What every layer with a quantizable kernel shares: converting its weights between policies."""
+"""What every layer with a quantizable kernel shares: converting its weights between policies and
+running the kernel of its quantization mode.
+
+Which modes a layer supports comes from the registry of quantization modes through the layer's
+kind (``layer_kind``); how a mode quantizes weights and computes comes from
+:mod:`autopolicy.numerics.modes` through the op the layer runs (``kernel_op``).
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
-import jax.numpy as jnp
-
+from autopolicy import policies
 from autopolicy.nn._module import Module
-from autopolicy.numerics import float8, int8
+from autopolicy.numerics import modes
 
 __all__ = ["QuantizableKernel"]
 
 
-class QuantizableKernel(Module):
-    """A layer with a ``kernel`` that has int8 and/or float8 forms.
+class _ModesOfLayerKind:
+    """``supported_quantization_modes``: the registry's modes for the class's ``layer_kind``."""
 
-    Subclasses say which axes of the kernel are contracted with the input
-    (:meth:`kernel_contract_axes`); int8 keeps one scale per slice over those axes.
-    Attributes: ``kernel`` (float, or int8 once quantized), ``kernel_scale`` and, for matrix products, ``kernel_colsum`` (int8 only),
-    ``fp8`` (float8 only: a dict of :class:`~autopolicy.numerics.float8.Float8Meta` for the
-    input, the kernel and the output gradient).
+    def __get__(self, obj: Any, owner: type) -> tuple[str, ...]:
+        return policies.modes_for_layer_kind(owner.layer_kind)
+
+
+class QuantizableKernel(Module):
+    """A layer with a ``kernel`` that has quantized forms.
+
+    Subclasses name their kind (``layer_kind``, one of ``autopolicy.policies.LAYER_KINDS``), the
+    op their kernel runs (``kernel_op``, one of ``autopolicy.numerics.modes.OPS``) and which
+    axes of the kernel are contracted with the input (:meth:`kernel_contract_axes`); quantized
+    weights keep their scales per slice over those axes. Attributes: ``kernel`` (float, or
+    quantized), and each mode's state: ``kernel_scale`` and ``kernel_colsum`` (int8, int4),
+    ``fp8`` (float8: a dict of :class:`~autopolicy.numerics.float8.Float8Meta` for the input,
+    the kernel and the output gradient).
     """
 
-    supported_quantization_modes: ClassVar[tuple[str, ...]] = ("int8", "float8")
+    layer_kind: ClassVar[str]
+    kernel_op: ClassVar[str]
+    supported_quantization_modes = _ModesOfLayerKind()
     tunable: ClassVar[bool] = True
-    #: Whether the int8 product is a matrix product that can use precomputed column sums.
-    uses_column_sums: ClassVar[bool] = False
 
     def _init_quantization_slots(self) -> None:
         self.kernel = None
         self.kernel_scale = None
         self.kernel_colsum = None
         self.fp8 = None
+        #: The static weight parameters of the stored form (int4: the block size).
+        self._weights_layout = ()
 
     def kernel_contract_axes(self) -> tuple[int, ...]:
         raise NotImplementedError
 
+    # --- running ------------------------------------------------------------------------------
+
+    def _quantized_kernel(self, *args: Any, compute_dtype: Any, **kwargs: Any) -> Any:
+        """Runs the kernel of the stored weights' mode for this layer's op.
+
+        ``args`` and ``kwargs`` are the op's arguments besides ``weights`` and ``layout`` (see
+        :mod:`autopolicy.numerics.modes`).
+        """
+        entry = modes.numerics_of(self._weights_mode)
+        weights = {name: getattr(self, name) for name in ("kernel",) + entry.state}
+        return entry.kernel(self.kernel_op)(
+            *args, weights=weights, layout=self._weights_layout, compute_dtype=compute_dtype, **kwargs
+        )
+
     # --- conversions ------------------------------------------------------------------------
 
+    def _target_form(self) -> tuple[str | None, tuple]:
+        """The mode and layout the current policy asks the weights to be in."""
+        policy = self.dtype_policy
+        mode = policy.quantization_mode
+        return (mode, modes.numerics_of(mode).layout(policy)) if mode is not None else (None, ())
+
     def _finish_build(self) -> Module | None:
-        mode = self.dtype_policy.quantization_mode
-        if mode is None or mode == self._weights_mode:
+        mode, layout = self._target_form()
+        if mode is None or (mode, layout) == (self._weights_mode, self._weights_layout):
             return None
         new = self._copy(mutable=True)
-        new._quantize_weights(mode)
+        new._quantize_weights()
         new._freeze()
         return new
 
-    def _quantize_weights(self, mode: str) -> None:
-        """Converts this mutable copy's float kernel to ``mode``'s form."""
-        if mode == "int8":
-            kernel_q, scale = int8.quantize_symmetric(
-                self.kernel, self.kernel_contract_axes(), scale_dtype=self.variable_dtype
-            )
-            object.__setattr__(self, "kernel", kernel_q)
-            object.__setattr__(self, "kernel_scale", scale)
-            frozen = {"kernel", "kernel_scale"}
-            if self.uses_column_sums:
-                # Measured: recomputing them at every call halves the int8 speed-up at 128 rows.
-                colsum = int8.column_sums(kernel_q, self.kernel_contract_axes())
-                object.__setattr__(self, "kernel_colsum", colsum)
-                frozen.add("kernel_colsum")
-            self._nontrainable = tuple(sorted(set(self._nontrainable) | frozen))
-            # The rescale runs in float32; reading the scale in a 16-bit compute dtype would
-            # round it (bfloat16: up to 0.4% per output channel) before it is used.
-            self._no_autocast = tuple(sorted(set(self._no_autocast) | {"kernel_scale"}))
-        else:
-            length = self.dtype_policy.amax_history_length
-            kernel_amax = jnp.max(jnp.abs(self.kernel.astype(jnp.float32)))
-            kernel_scale = jnp.where(kernel_amax > 0, kernel_amax / float8.E4M3_MAX, 1.0)
-            object.__setattr__(
-                self,
-                "fp8",
-                {
-                    "input": float8.Float8Meta(length),
-                    "kernel": float8.Float8Meta(length, kernel_scale),
-                    "output_grad": float8.Float8Meta(length),
-                },
-            )
-        self._weights_mode = mode
+    def _quantize_weights(self) -> None:
+        """Converts this mutable copy's float kernel to the form its policy asks for."""
+        policy = self.dtype_policy
+        entry = modes.numerics_of(policy.quantization_mode)
+        arrays = entry.quantize(
+            self.kernel, self.kernel_contract_axes(), self.kernel_op, policy, self.variable_dtype
+        )
+        for key, value in arrays.items():
+            object.__setattr__(self, key, value)
+        frozen = set(entry.frozen) & set(arrays)
+        self._nontrainable = tuple(sorted(set(self._nontrainable) | frozen))
+        self._no_autocast = tuple(sorted(set(self._no_autocast) | (set(entry.no_autocast) & set(arrays))))
+        self._weights_mode = entry.name
+        self._weights_layout = entry.layout(policy)
 
     def _convert_weights(self, old: Module) -> None:
-        old_mode, new_mode = old._weights_mode, self.dtype_policy.quantization_mode
-        if old_mode == "int8" and new_mode != "int8":
-            raise ValueError(
-                f"{self.path!r} holds int8 weights and cannot become {self.dtype_policy.name!r}: "
-                "int8 quantization is lossy. Keep the float model and derive each variant from it."
-            )
-        if old_mode == "float8" and new_mode != "float8":
-            object.__setattr__(self, "fp8", None)
-            self._weights_mode = None
+        old_form = (old._weights_mode, old._weights_layout)
+        new_form = self._target_form()
+        if old_form[0] is not None and old_form != new_form:
+            self._leave_form(old_form)
         super()._convert_weights(old)
-        if new_mode is not None and new_mode != old_mode:
-            self._quantize_weights(new_mode)
-        elif new_mode == "float8":
-            self._resize_histories(self.dtype_policy.amax_history_length)
+        if new_form[0] is not None and new_form != old_form:
+            self._quantize_weights()
+        elif new_form[0] is not None:
+            entry = modes.numerics_of(new_form[0])
+            if entry.retune is not None:
+                state = entry.retune({name: getattr(self, name) for name in entry.state}, self.dtype_policy)
+                for key, value in state.items():
+                    object.__setattr__(self, key, value)
 
-    def _resize_histories(self, length: int) -> None:
-        resized = {}
-        for key, meta in self.fp8.items():
-            history = meta.amax_history[:length]
-            if history.shape[0] < length:
-                history = jnp.pad(history, (0, length - history.shape[0]))
-            new = float8.Float8Meta(length, meta.scale)
-            object.__setattr__(new, "amax_history", history)
-            resized[key] = new
-        object.__setattr__(self, "fp8", resized)
+    def _leave_form(self, old_form: tuple[str, tuple]) -> None:
+        """Drops the state of the old form, or refuses when the float kernel is gone."""
+        entry = modes.numerics_of(old_form[0])
+        if entry.replaces_kernel:
+            layout = f" (layout {old_form[1]})" if old_form[1] else ""
+            raise ValueError(
+                f"{self.path!r} holds {old_form[0]} weights{layout} and cannot become "
+                f"{self.dtype_policy.name!r}: {old_form[0]} quantization is lossy. Keep the float "
+                "model and derive each variant from it."
+            )
+        for name in entry.state:
+            object.__setattr__(self, name, None)
+        self._weights_mode = None
+        self._weights_layout = ()

@@ -95,10 +95,12 @@ class Retyping:
         return new
 
     def quantize(self, mode: str, filter: Callable[[str, Any], bool] | None = None) -> Any:  # noqa: A002
-        """Returns a copy whose layers run ``mode`` (``"int8"`` or ``"float8"``) kernels.
+        """Returns a copy whose layers run ``mode`` kernels.
 
-        On a single layer, a layer type without such a kernel, an unbuilt layer or an already
-        quantized one raise. On a model, layers without such a kernel are skipped (and logged);
+        ``mode`` is a quantization mode as policy names spell it (``"int8"``, ``"float8"``);
+        each quantized layer gets the policy ``f"{mode}_from_{its policy}"``. On a single layer,
+        a layer type without such a kernel, an unbuilt layer or an already quantized one raise.
+        On a model, layers without such a kernel are skipped (and logged);
         ``filter(path, layer)`` selects the layers to quantize.
 
         Raises:
@@ -106,11 +108,13 @@ class Retyping:
             kernel for ``mode`` (single layer), or a float16 compute dtype for int8.
           RuntimeError: if the module is not built.
         """
-        if mode not in policies.QUANTIZATION_MODES:
+        found = policies.find_quantization_form(mode) if isinstance(mode, str) else None
+        if found is None:
             raise ValueError(
-                f"Invalid quantization mode. Expected one of {policies.QUANTIZATION_MODES}. "
+                f"Invalid quantization mode. Expected one of {policies.QUANTIZATION_SPELLINGS}. "
                 f"Received: mode={mode!r}"
             )
+        mode_name = found[0].name
         if not self.built:
             raise RuntimeError(
                 f"{type(self).__name__} {self.path!r} is not built; quantize converts built weights: "
@@ -122,10 +126,10 @@ class Retyping:
         for path, layer in self.layers_by_path().items():
             if filter is not None and not filter(path, layer):
                 continue
-            if mode not in layer.supported_quantization_modes:
+            if mode_name not in layer.supported_quantization_modes:
                 if single:
                     raise ValueError(
-                        f"{type(layer).__name__} {path!r} has no {mode} kernel: "
+                        f"{type(layer).__name__} {path!r} has no {mode_name} kernel: "
                         f"{type(layer).__name__} supports the quantization modes "
                         f"{layer.supported_quantization_modes}."
                     )

@@ -11,7 +11,6 @@ import numpy as np
 from autopolicy.nn import activations, initializers
 from autopolicy.nn._module import Module
 from autopolicy.nn._quantizable import QuantizableKernel
-from autopolicy.numerics import int8
 
 __all__ = ["Conv2D", "MaxPooling2D"]
 
@@ -49,7 +48,8 @@ class Conv2D(QuantizableKernel):
     (1, 8, 8, 4)
     """
 
-    supported_quantization_modes = ("int8",)
+    layer_kind = "conv"
+    kernel_op = "conv2d"
 
     def __init__(
         self,
@@ -93,8 +93,8 @@ class Conv2D(QuantizableKernel):
 
     def call(self, x: jax.Array) -> jax.Array:
         padding = self.padding.upper()
-        if self._weights_mode == "int8":
-            y = int8.int8_conv(x, self.kernel, self.kernel_scale, self.strides, padding, x.dtype)
+        if self._weights_mode is not None:
+            y = self._quantized_kernel(x, compute_dtype=x.dtype, strides=self.strides, padding=padding)
         else:
             y = jax.lax.conv_general_dilated(
                 x, self.kernel, self.strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC")

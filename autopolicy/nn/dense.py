@@ -10,7 +10,6 @@ import jax.numpy as jnp
 
 from autopolicy.nn import activations, initializers
 from autopolicy.nn._quantizable import QuantizableKernel
-from autopolicy.numerics import float8, int8
 
 __all__ = ["Dense", "EinsumDense"]
 
@@ -19,11 +18,6 @@ def _check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
     return value
-
-
-def _fp8_call(layer: QuantizableKernel, equation: str, x: jax.Array) -> jax.Array:
-    meta = layer.fp8
-    return float8.fp8_einsum(equation, x, layer.kernel, meta["input"], meta["kernel"], meta["output_grad"])
 
 
 class Dense(QuantizableKernel):
@@ -43,7 +37,8 @@ class Dense(QuantizableKernel):
     (dtype('float32'), dtype(bfloat16))
     """
 
-    uses_column_sums = True
+    layer_kind = "dense"
+    kernel_op = "einsum"
 
     def __init__(
         self,
@@ -84,13 +79,11 @@ class Dense(QuantizableKernel):
             self.add_weight("bias", (self.units,), self.bias_initializer, regularizer=self.bias_regularizer)
 
     def call(self, x: jax.Array) -> jax.Array:
-        mode = self._weights_mode
-        if mode == "int8":
-            y = int8.int8_dense(x, self.kernel, self.kernel_scale, x.dtype, self.kernel_colsum)
-        elif mode == "float8":
-            y = _fp8_call(self, "...k,kn->...n", x)
-        else:
+        if self._weights_mode is None:
             y = jnp.matmul(x, self.kernel)
+        else:  # quantized kernels take 2-D inputs: (rows, features)
+            y2 = self._quantized_kernel("mk,kn->mn", x.reshape((-1, x.shape[-1])), compute_dtype=x.dtype)
+            y = y2.reshape(x.shape[:-1] + (y2.shape[-1],))
         if self.bias is not None:
             y = y + self.bias
         return activations.get(self.activation)(y)
@@ -114,7 +107,8 @@ class EinsumDense(QuantizableKernel):
     ((16, 4, 8), (2, 5, 4, 8))
     """
 
-    uses_column_sums = True
+    layer_kind = "einsum_dense"
+    kernel_op = "einsum"
 
     def __init__(
         self,
@@ -211,13 +205,10 @@ class EinsumDense(QuantizableKernel):
 
     def call(self, x: jax.Array) -> jax.Array:
         equation = self._full_equation(x.ndim)
-        mode = self._weights_mode
-        if mode == "int8":
-            y = int8.int8_einsum(equation, x, self.kernel, self.kernel_scale, x.dtype, self.kernel_colsum)
-        elif mode == "float8":
-            y = _fp8_call(self, equation, x)
-        else:
+        if self._weights_mode is None:
             y = jnp.einsum(equation, x, self.kernel)
+        else:
+            y = self._quantized_kernel(equation, x, compute_dtype=x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return activations.get(self.activation)(y)

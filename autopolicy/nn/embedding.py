@@ -25,7 +25,8 @@ class Embedding(QuantizableKernel):
     (1, 3, 4)
     """
 
-    supported_quantization_modes = ("int8",)
+    layer_kind = "embedding"
+    kernel_op = "gather"
 
     def __init__(self, input_dim: int, output_dim: int, embeddings_initializer: Any = "uniform",
                  *, name: str | None = None, dtype: Any = None):
@@ -52,7 +53,6 @@ class Embedding(QuantizableKernel):
 
     def call(self, ids: jax.Array) -> jax.Array:
         ids = jnp.asarray(ids)
-        if self._weights_mode == "int8":
-            rows = self.kernel[ids].astype(jnp.float32) * self.kernel_scale[ids].astype(jnp.float32)
-            return rows.astype(self.compute_dtype)
+        if self._weights_mode is not None:
+            return self._quantized_kernel(ids, compute_dtype=self.compute_dtype)
         return self.kernel[ids]

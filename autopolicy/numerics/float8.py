@@ -32,6 +32,9 @@ __all__ = [
     "fp8_einsum",
     "DEFAULT_MARGIN",
     "overwrite_with_gradient",
+    "quantize_weights",
+    "einsum_kernel",
+    "retune",
 ]
 
 E4M3 = jnp.float8_e4m3fn
@@ -154,3 +157,42 @@ def overwrite_with_gradient(old: Any, new: Any) -> Any:
         )
 
     return jax.tree_util.tree_map(pick, old, new, is_leaf=is_meta)
+
+
+# --- the mode's entry points (autopolicy.numerics.modes) --------------------------------------
+
+
+def quantize_weights(kernel: jax.Array, contract_axes: Any, op: str, policy: Any, scale_dtype: Any) -> dict:
+    """The float8 state of a kernel (which stays in float and keeps training): ``fp8``, the metas
+    of the input, the kernel (its scale from the kernel's amax) and the output gradient."""
+    del contract_axes, op, scale_dtype
+    length = policy.amax_history_length
+    kernel_amax = jnp.max(jnp.abs(kernel.astype(jnp.float32)))
+    kernel_scale = jnp.where(kernel_amax > 0, kernel_amax / E4M3_MAX, 1.0)
+    return {
+        "fp8": {
+            "input": Float8Meta(length),
+            "kernel": Float8Meta(length, kernel_scale),
+            "output_grad": Float8Meta(length),
+        }
+    }
+
+
+def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, compute_dtype: Any) -> jax.Array:
+    del layout, compute_dtype  # the product runs in x's dtype, which is the compute dtype
+    meta = weights["fp8"]
+    return fp8_einsum(equation, x, weights["kernel"], meta["input"], meta["kernel"], meta["output_grad"])
+
+
+def retune(state: dict, policy: Any) -> dict:
+    """``state`` with its histories cut or zero-padded to the policy's ``amax_history_length``."""
+    length = policy.amax_history_length
+    resized = {}
+    for key, meta in state["fp8"].items():
+        history = meta.amax_history[:length]
+        if history.shape[0] < length:
+            history = jnp.pad(history, (0, length - history.shape[0]))
+        new = Float8Meta(length, meta.scale)
+        set_fields(new, amax_history=history)
+        resized[key] = new
+    return {"fp8": resized}

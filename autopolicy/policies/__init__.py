@@ -5,7 +5,16 @@ Also importable as ``autopolicy.dtype_policies`` (Keras's name for this module).
 
 from autopolicy.policies._global import dtype_policy, policy_scope, set_dtype_policy
 from autopolicy.policies._map import DTypePolicyMap
-from autopolicy.policies._names import QUANTIZATION_MODES
+from autopolicy.policies._modes import (
+    LAYER_KINDS,
+    QUANTIZATION_MODES,
+    SPELLINGS as QUANTIZATION_SPELLINGS,
+    PolicyForm,
+    QuantizationMode,
+    find_form as find_quantization_form,
+    get_quantization_mode,
+    modes_for_layer_kind,
+)
 from autopolicy.policies._policy import (
     DTypePolicy,
     FloatDTypePolicy,
@@ -27,6 +36,13 @@ __all__ = [
     "QuantizedFloat8DTypePolicy",
     "DTypePolicyMap",
     "QUANTIZATION_MODES",
+    "QUANTIZATION_SPELLINGS",
+    "LAYER_KINDS",
+    "QuantizationMode",
+    "PolicyForm",
+    "get_quantization_mode",
+    "find_quantization_form",
+    "modes_for_layer_kind",
     "get",
     "serialize",
     "deserialize",

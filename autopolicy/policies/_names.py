@@ -7,14 +7,14 @@ from typing import NamedTuple
 import ml_dtypes  # noqa: F401  (registers bfloat16 and the float8 types with NumPy)
 import numpy as np
 
+from autopolicy.policies import _modes
+
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 MIXED_POLICIES = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
 # Keras accepts non-float dtypes for a plain policy; floats are then cast to them. "int8" is left
 # out on purpose: alone it reads as the quantization mode, so it gets a pointed error instead.
 OTHER_DTYPES = ("bool", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-QUANTIZATION_MODES = ("int8", "float8")
-# int8 rescaling multiplies int32 accumulators by two scales; float16 overflows at 65504.
-INT8_REFUSED_COMPUTE_DTYPES = ("float16",)
+QUANTIZATION_MODES = _modes.QUANTIZATION_MODES
 MIN_AMAX_HISTORY_LENGTH = 1
 
 PLAIN_NAMES = FLOAT_DTYPES + tuple(MIXED_POLICIES) + OTHER_DTYPES
@@ -24,7 +24,7 @@ _SEPARATOR = "_from_"
 VALID_FORMS = (
     f"a float dtype {FLOAT_DTYPES}, a mixed policy {tuple(MIXED_POLICIES)}, "
     f"a non-float dtype {OTHER_DTYPES}, or '<mode>_from_<source>' with mode in "
-    f"{QUANTIZATION_MODES} and source a float or mixed name (e.g. 'int8_from_float32')"
+    f"{_modes.SPELLINGS} and source a float or mixed name (e.g. 'int8_from_float32')"
 )
 
 
@@ -59,42 +59,49 @@ def split_quantized(name: str) -> tuple[str, str] | None:
     return mode, source
 
 
-def check_mode(mode: object, valid: tuple[str, ...], cls_name: str) -> str:
-    if mode not in valid:
-        hint = ""
-        if mode in QUANTIZATION_MODES:
-            other = "QuantizedFloat8DTypePolicy" if mode == "float8" else "QuantizedDTypePolicy"
-            hint = f" (use {other} for mode={mode!r})"
+def check_mode(spelling: object, cls_name: str) -> _modes.QuantizationMode:
+    """The registry entry of the mode ``spelling`` is written in, if class ``cls_name`` builds it."""
+    found = _modes.find_form(spelling) if isinstance(spelling, str) else None
+    if found is None or found[1].class_name != cls_name:
+        valid = tuple(f.spelling for f in _modes.forms_of_class(cls_name))
+        hint = f" (use {found[1].class_name} for mode={spelling!r})" if found else ""
         raise ValueError(
             f"Invalid quantization mode for {cls_name}. Expected one of {valid}. "
-            f"Received: mode={mode!r}{hint}"
+            f"Received: mode={spelling!r}{hint}"
         )
-    return mode
+    return found[0]
 
 
-def check_source(mode: str, source_name: object) -> DTypes:
+def check_source(mode: _modes.QuantizationMode, source_name: object) -> DTypes:
     """Validates the source of a quantized policy and returns its dtypes."""
     check_is_str(source_name, "source_name")
     if source_name not in FLOAT_SOURCE_NAMES:
         raise ValueError(
-            f"Invalid source policy for quantization mode {mode!r}. Expected one of "
+            f"Invalid source policy for quantization mode {mode.name!r}. Expected one of "
             f"{FLOAT_SOURCE_NAMES}. Received: source_name={source_name!r}"
         )
     dtypes = parse_plain(source_name)
-    if mode == "int8" and dtypes.compute in INT8_REFUSED_COMPUTE_DTYPES:
+    if dtypes.compute in mode.refused_compute_dtypes:
+        accepted = [s for s in FLOAT_SOURCE_NAMES if parse_plain(s).compute not in mode.refused_compute_dtypes]
+        # The same source with the nearest accepted compute dtype (mixed_float16 -> mixed_bfloat16).
+        swapped = source_name.replace(dtypes.compute, "bfloat16")
+        suggestion = swapped if swapped in accepted else accepted[0]
         raise ValueError(
-            f"Quantization mode 'int8' does not support compute dtype {dtypes.compute!r}: "
-            "int8 rescaling overflows float16 easily. Use a bfloat16 or float32 source, e.g. "
-            f"'int8_from_mixed_bfloat16'. Received: source_name={source_name!r}"
+            f"Quantization mode {mode.name!r} does not support compute dtype {dtypes.compute!r}: "
+            f"{mode.refusal_reason}. Use a source in {tuple(accepted)}, e.g. "
+            f"'{mode.name}_from_{suggestion}'. Received: source_name={source_name!r}"
         )
     return dtypes
 
 
 def _invalid_name_message(name: str) -> str:
-    if name in QUANTIZATION_MODES:
+    found = _modes.find_form(name)
+    if found is not None:
+        # A parameterized spelling may hold a bad parameter: suggest the form's own example.
+        example = name if name == found[1].spelling else found[1].example
         return (
-            f"{name!r} is a quantization mode, not a policy: name its source too, e.g. "
-            f"'{name}_from_float32'. Received: name={name!r}"
+            f"{name!r} is a quantization mode, not a policy: add its source, "
+            f"'{name}_from_<source>', e.g. '{example}_from_float32'. Received: name={name!r}"
         )
     return f"Invalid dtype policy name. Expected {VALID_FORMS}. Received: name={name!r}"
 

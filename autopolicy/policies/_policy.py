@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from autopolicy.policies import _names
+from autopolicy.policies import _modes, _names
 
 __all__ = [
     "DTypePolicy",
@@ -54,6 +54,8 @@ class DTypePolicy:
     variable_dtype: str
 
     quantization_mode: ClassVar[str | None] = None
+    #: The class name in Keras JSON (and in the registry of quantization modes).
+    keras_class_name: ClassVar[str] = "DTypePolicy"
 
     def __init__(self, name: str | None = None):
         if name is None:
@@ -111,10 +113,11 @@ FloatDTypePolicy = DTypePolicy
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False)
 class QuantizedDTypePolicy(DTypePolicy):
-    """A policy whose layers run quantized (int8) kernels on top of a float source policy.
+    """A policy whose layers run quantized kernels on top of a float source policy.
 
     Args:
-      mode: The quantization mode: ``"int8"``.
+      mode: A quantization mode this class builds in the registry of quantization modes:
+        ``"int8"``.
       source_name: The non-quantized policy the float parts follow (``"float32"``,
         ``"mixed_bfloat16"``, ...). None means the global policy's name. int8 with a float16
         compute dtype is refused: the rescaled int32 products overflow float16.
@@ -126,21 +129,22 @@ class QuantizedDTypePolicy(DTypePolicy):
     mode: str
     source_name: str
 
-    VALID_MODES: ClassVar[tuple[str, ...]] = ("int8",)
+    keras_class_name: ClassVar[str] = "QuantizedDTypePolicy"
 
     def __init__(self, mode: str, source_name: str | None = None):
         self._init_quantized(mode, source_name)
 
-    def _init_quantized(self, mode: str, source_name: str | None, **extra: Any) -> None:
-        _names.check_mode(mode, self.VALID_MODES, type(self).__name__)
+    def _init_quantized(self, spelling: str, source_name: str | None, **extra: Any) -> None:
+        """Sets the fields from the mode as spelled in the name (``"int4/128"``) and the source."""
+        mode = _names.check_mode(spelling, self.keras_class_name)
         if source_name is None:
             source_name = _global_source_name()
         dtypes = _names.check_source(mode, source_name)
         self._set_fields(
-            name=f"{mode}_from_{source_name}",
+            name=f"{spelling}_from_{source_name}",
             compute_dtype=dtypes.compute,
             variable_dtype=dtypes.variable,
-            mode=mode,
+            mode=mode.name,
             source_name=source_name,
             **extra,
         )
@@ -169,7 +173,7 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
 
     amax_history_length: int
 
-    VALID_MODES: ClassVar[tuple[str, ...]] = ("float8",)
+    keras_class_name: ClassVar[str] = "QuantizedFloat8DTypePolicy"
 
     def __init__(
         self,
@@ -193,3 +197,18 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "amax_history_length": self.amax_history_length}
+
+
+#: The quantized policy classes by Keras class name (the registry names them by these).
+POLICY_CLASSES: dict[str, type[QuantizedDTypePolicy]] = {
+    cls.keras_class_name: cls for cls in (QuantizedDTypePolicy, QuantizedFloat8DTypePolicy)
+}
+
+
+def _check_registry_classes() -> None:
+    missing = [f.class_name for m in _modes.MODES for f in m.forms if f.class_name not in POLICY_CLASSES]
+    if missing:
+        raise ValueError(f"The registry of quantization modes names unknown policy classes: {missing}")
+
+
+_check_registry_classes()

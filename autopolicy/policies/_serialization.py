@@ -13,29 +13,26 @@ from typing import Any
 import numpy as np
 
 from autopolicy import _atomic
-from autopolicy.policies import _global, _names
+from autopolicy.policies import _global, _modes, _names
 from autopolicy.policies._map import DTypePolicyMap
-from autopolicy.policies._policy import (
-    DTypePolicy,
-    QuantizedDTypePolicy,
-    QuantizedFloat8DTypePolicy,
-)
+from autopolicy.policies._policy import POLICY_CLASSES, DTypePolicy
 
 __all__ = ["get", "serialize", "deserialize", "save_policy_map", "load_policy_map"]
 
-# class_name -> (class, module Keras writes, config keys it may carry). "FloatDTypePolicy"
-# (Keras 3.0-3.3) and "Policy" (tf.keras 2) are read for compatibility and never written.
+_QUANTIZED_MODULE = "keras.dtype_policies"
+# class_name -> (class, module Keras writes, config keys it may carry). The quantized classes and
+# their keys come from the registry of quantization modes. "FloatDTypePolicy" (Keras 3.0-3.3)
+# and "Policy" (tf.keras 2) are read for compatibility and never written.
 _CLASSES: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "DTypePolicy": (DTypePolicy, "keras", ("name",)),
     "FloatDTypePolicy": (DTypePolicy, "keras", ("name",)),
     "Policy": (DTypePolicy, "keras", ("name",)),
-    "QuantizedDTypePolicy": (QuantizedDTypePolicy, "keras.dtype_policies", ("mode", "source_name")),
-    "QuantizedFloat8DTypePolicy": (
-        QuantizedFloat8DTypePolicy,
-        "keras.dtype_policies",
-        ("mode", "source_name", "amax_history_length"),
-    ),
-    "DTypePolicyMap": (DTypePolicyMap, "keras.dtype_policies", ("default_policy", "policy_map")),
+    **{
+        form.class_name: (POLICY_CLASSES[form.class_name], _QUANTIZED_MODULE, form.config_keys)
+        for mode in _modes.MODES
+        for form in mode.forms
+    },
+    "DTypePolicyMap": (DTypePolicyMap, _QUANTIZED_MODULE, ("default_policy", "policy_map")),
 }
 _WRITTEN_CLASS_NAMES = tuple(k for k in _CLASSES if k not in ("FloatDTypePolicy", "Policy"))
 _MODULE_PREFIXES = ("keras", "tf_keras", "tensorflow", "autopolicy")
@@ -43,9 +40,10 @@ _ENVELOPE_KEYS = ("module", "class_name", "config", "registered_name")
 
 
 def _class_name(policy: DTypePolicy | DTypePolicyMap) -> str:
-    for cls in (QuantizedFloat8DTypePolicy, QuantizedDTypePolicy, DTypePolicyMap, DTypePolicy):
-        if isinstance(policy, cls):
-            return cls.__name__
+    if isinstance(policy, DTypePolicyMap):
+        return "DTypePolicyMap"
+    if isinstance(policy, DTypePolicy):
+        return policy.keras_class_name
     raise ValueError(f"Cannot serialize {policy!r}: expected a DTypePolicy or DTypePolicyMap.")
 
 
@@ -151,18 +149,17 @@ def _from_name(name: str) -> DTypePolicy:
     parts = _names.split_quantized(name)
     if parts is None:
         return DTypePolicy(name)
-    mode, source = parts
+    spelling, source = parts
+    found = _modes.find_form(spelling)
+    if found is None:
+        raise ValueError(
+            f"Invalid quantization mode in policy name. Expected one of {_modes.SPELLINGS}. "
+            f"Received: name={name!r}"
+        )
     try:
-        if mode == "float8":
-            return QuantizedFloat8DTypePolicy(mode, source)
-        if mode in _names.QUANTIZATION_MODES:
-            return QuantizedDTypePolicy(mode, source)
+        return POLICY_CLASSES[found[1].class_name](spelling, source)
     except ValueError as e:
         raise ValueError(f"{e} (in the policy name {name!r})") from None
-    raise ValueError(
-        f"Invalid quantization mode in policy name. Expected one of {_names.QUANTIZATION_MODES}. "
-        f"Received: name={name!r}"
-    )
 
 
 def save_policy_map(policy_map: DTypePolicyMap, path: str | os.PathLike) -> None:
