@@ -11,9 +11,8 @@ from :func:`apply_policy_map` keeps its composite layers' sublayer policies in a
 ``keras.saving.load_model``; :func:`save` also stores the map (and the layer paths) in the
 ``.keras`` archive, and :func:`load` re-applies it, so every kind of model reloads exactly.
 
->>> import numpy as np
->>> import autopolicy.keras as apk
->>> keras = apk.keras
+>>> import autopolicy.keras as apk  # before Keras: its backend defaults to JAX
+>>> import keras
 >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="hidden"),
 ...                           keras.layers.Dense(2, name="out")], name="net")
 >>> tuned = apk.apply_policy_map(model, {"net/hidden": "int8_from_float32", "net/out": "mixed_bfloat16"})
@@ -35,7 +34,7 @@ from autopolicy import policies
 from autopolicy.adapters import _keras_models as models
 from autopolicy.adapters._keras_layers import keras
 
-__all__ = ["apply_policy_map", "policy_map_of", "save", "load", "ARCHIVE_MEMBER", "keras"]
+__all__ = ["apply_policy_map", "policy_map_of", "save", "load", "ARCHIVE_MEMBER"]
 
 #: The member of a ``.keras`` archive in which :func:`save` stores the map and layer paths.
 ARCHIVE_MEMBER = "autopolicy.json"

@@ -17,7 +17,7 @@ with warnings.catch_warnings():
 
 import autopolicy.keras as apk  # noqa: E402
 from autopolicy import policies, search  # noqa: E402
-from autopolicy.adapters import _keras_layers  # noqa: E402
+from autopolicy.adapters import _keras_layers, _keras_models  # noqa: E402
 from autopolicy.search import timing  # noqa: E402
 
 layers = keras.layers
@@ -75,6 +75,23 @@ def test_import_autopolicy_does_not_import_keras():
     assert out.stdout.strip() == "False"
 
 
+def test_every_public_name_of_autopolicy_keras_exists():
+    assert apk.__all__ == ["apply_policy_map", "policy_map_of", "save", "load", "ARCHIVE_MEMBER"]
+    assert all(getattr(apk, name) is not None for name in apk.__all__)
+
+
+def test_int4_policies_reach_keras_quantize_with_their_block_size():
+    kdp = keras.dtype_policies
+    keras.utils.set_random_seed(1)
+    for policy, name, has_zero in ((kdp.QuantizedDTypePolicy("int4", "float32"), "int4_from_float32", False),
+                                   (kdp.Int4DTypePolicy("int4/128", "float32"), "int4/128_from_float32", True)):
+        dense = layers.Dense(8)
+        dense.build((None, 256))
+        assert _keras_layers.set_layer_policy(dense, policy) == name
+        assert hasattr(dense, "kernel_zero") == has_zero and dense._kernel.shape == (256, 4)  # two nibbles a byte
+    assert _keras_layers.canonical_name(kdp.Int4DTypePolicy("int4/-1", "float32")) == "int4_from_float32"
+
+
 def test_tunable_layers_in_execution_order_with_inputs_modes_and_producers():
     made = search.get_adapter(functional_model(), (IDS,), [])
     rows = [(t.path, t.kind, t.modes, t.input_shape, t.producer) for t in made.layers()]
@@ -123,6 +140,20 @@ def test_a_mixed_bfloat16_layer_program_computes_in_bfloat16():
     assert made.layer_bytes("seq/d", policies.get("mixed_bfloat16")) == (24 * 40 + 40) * 4
 
 
+def test_attention_projections_refuse_float16_where_keras_attention_cannot_compile_it():
+    made = search.get_adapter(functional_model(), (IDS,), [])
+    float16 = policies.get("mixed_float16")
+    compiles = _keras_layers.float16_attention_compiles()  # False on XLA:CPU (no f16 x f16 -> f32 dot)
+    assert {t.path: t.supports(float16) for t in made.layers()} == {
+        "embed": True, "conv": True, "attn/query": compiles, "attn/key": compiles, "attn/value": compiles,
+        "attn/attention_output": True, "mlp": True, "head": True}
+    assert made.layers()[2].supports(policies.get("int8_from_float32"))
+    # Every layer on float16 where it supports it: the whole model compiles.
+    uniform = made.with_policies(made.complete_map({t.path: "mixed_float16" for t in made.layers() if t.supports(float16)}))
+    program = made.model_program(uniform)
+    assert jax.jit(program.fn).lower(program.state, *program.args).compile() is not None
+
+
 def test_layer_bytes_follow_keras_storage():
     made = search.get_adapter(functional_model(), (IDS,), [])
     assert made.layer_bytes("embed", policies.get("float32")) == VOCAB * DIM * 4
@@ -156,6 +187,8 @@ def test_complete_map_lets_a_norm_follow_the_layer_it_reads():
     assert {p: v.name for p, v in follow.items()} == {"chain/a": "int8_from_mixed_bfloat16",
                                                      "chain/ln": "mixed_bfloat16"}
     assert dict(made.complete_map({"chain/b": "mixed_bfloat16"}).items()) == {"chain/b": policies.get("mixed_bfloat16")}
+    assert dict(made.complete_map({"chain/a": "int8_from_float32"}).items()) == {
+        "chain/a": policies.get("int8_from_float32")}  # float32 hands on float32
 
 
 # --- fake clock: a program costs its weight and input bytes, so decisions are deterministic --
@@ -215,8 +248,7 @@ def test_done_when_tune_apply_save_reload_gives_the_same_outputs(fake_clock, tmp
     assert set(chosen) <= set(policies_by_path(model))
     tuned = result.model
     assert isinstance(tuned, keras.Model)
-    for path, name in policies_by_path(tuned).items():
-        assert name == result.policy_map[path].name or name.startswith("map_") or path == "norm", (path, name)
+    assert _keras_models.mismatches(tuned, result.policy_map) == []  # every layer runs its map policy
     expected = np.asarray(tuned(IDS))
     again = apk.apply_policy_map(model, result.policy_map)
     np.testing.assert_array_equal(np.asarray(again(IDS)), expected)
@@ -246,6 +278,15 @@ def test_apply_sets_each_leaf_policy_and_leaves_the_original_alone():
     assert tuned.get_layer("head")._kernel.dtype == "int8"
     assert tuned.get_layer("attn")._query_dense(np.ones((1, 2, DIM), np.float32)).dtype == "bfloat16"
     assert apk.policy_map_of(tuned)["attn/key"] == policies.get("mixed_bfloat16")
+
+
+def test_predict_on_a_copy_leaves_the_originals_weights_alive():
+    model = functional_model()
+    expected = np.asarray(model(IDS))
+    tuned = apk.apply_policy_map(model, {})
+    tuned.predict(IDS, verbose=0)  # Keras's jitted predict step donates the copy's variable buffers
+    np.testing.assert_array_equal(np.asarray(model(IDS)), expected)
+    np.testing.assert_array_equal(np.asarray(tuned(IDS)), expected)
 
 
 def test_a_float_policy_with_another_variable_dtype_retypes_the_weights():

@@ -8,12 +8,14 @@ Shared by the Keras adapter and :mod:`autopolicy.keras`; imports Keras (JAX back
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -42,6 +44,8 @@ __all__ = [
     "values",
     "layer_copy",
     "quiet_numpy_conversion",
+    "float16_attention_compiles",
+    "attention_projections",
 ]
 
 #: Leaf layer kinds whose policy the search chooses (the MultiHeadAttention projections are
@@ -206,9 +210,34 @@ def calibrate_float8(layer: Any, input_amax: float) -> None:
 
 
 def values(layer: Any) -> list:
-    """The values of a layer's (or model's) weights, in ``layer.weights`` order (Keras's
-    ``get_weights`` goes through a NumPy conversion that warns under NumPy 2)."""
-    return [v.value for v in layer.weights]
+    """Copies of the values of a layer's (or model's) weights, in ``layer.weights`` order.
+
+    Copies, because Keras's JAX trainer donates variable buffers to its jitted steps: a copy
+    that shared them would delete the original's weights on its first ``predict``. (Keras's
+    ``get_weights`` goes through a NumPy conversion that warns under NumPy 2.)
+    """
+    return [jnp.array(v.value, copy=True) for v in layer.weights]
+
+
+@functools.lru_cache(maxsize=None)
+def float16_attention_compiles() -> bool:
+    """Whether Keras's attention core (``ops.dot_product_attention``) compiles for float16
+    query, key and value on this device (XLA on CPU has no float16 dot with a float32 result)."""
+    x = jnp.ones((1, 2, 1, 4), jnp.float16)
+    try:
+        jax.jit(lambda a: keras.ops.dot_product_attention(a, a, a, is_causal=True)).lower(x).compile()
+    except Exception:  # pylint: disable=broad-except  # XLA's refusal has no exception class of its own
+        return False
+    return True
+
+
+def attention_projections(model: Any) -> set[int]:
+    """The ids of the query, key and value projections of every MultiHeadAttention in ``model``."""
+    out = set()
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            out |= {id(getattr(layer, f"_{n}_dense", None)) for n in ("query", "key", "value")}
+    return out
 
 
 def state_of(layer: Any) -> tuple[list, list]:

@@ -11,6 +11,7 @@ adapter works on a float32 copy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import OrderedDict
 from typing import Any
@@ -22,6 +23,8 @@ import numpy as np
 from autopolicy import policies
 from autopolicy.adapters import _keras_models as models
 from autopolicy.adapters._keras_layers import (
+    attention_projections,
+    float16_attention_compiles,
     is_tunable,
     keras,
     layer_copy,
@@ -33,7 +36,7 @@ from autopolicy.adapters._keras_layers import (
 )
 from autopolicy.search.adapter import Program, TunableLayer, digest_arrays, register_adapter
 
-__all__ = ["KerasAdapter"]
+__all__ = ["KerasAdapter", "KerasTunableLayer"]
 
 FLOAT32 = "float32"
 _COPIES_KEPT = 8  # standalone layer copies kept for layer_bytes after layer_program
@@ -61,6 +64,19 @@ def _signature(layer: Any, call: models.LayerCall) -> str:
     weights = [[list(w.shape), str(w.dtype)] for w in layer.weights]
     return json.dumps({"class": type(layer).__name__, "config": config, "weights": weights,
                        "inputs": _shapes((call.args, call.kwargs))}, sort_keys=True, default=str)
+
+
+@dataclasses.dataclass(frozen=True)
+class KerasTunableLayer(TunableLayer):
+    """A tunable Keras layer; ``refused_compute_dtypes`` are compute dtypes it cannot run here.
+
+    The query, key and value projections of a MultiHeadAttention refuse float16 on a device
+    where Keras's attention core does not compile with float16 operands (XLA on CPU)."""
+
+    refused_compute_dtypes: tuple[str, ...] = ()
+
+    def supports(self, policy: policies.DTypePolicy) -> bool:
+        return policy.compute_dtype not in self.refused_compute_dtypes and super().supports(policy)
 
 
 def _model_fn(model: Any):
@@ -96,13 +112,16 @@ class KerasAdapter:
                 b for b in self.calibration if b is not self.sample_args])
         except Exception as e:  # pylint: disable=broad-except
             raise ValueError(f"The model failed on sample_input: {type(e).__name__}: {e}") from e
+        projections = attention_projections(self.model)
+        self._refused = {} if float16_attention_compiles() else {i: ("float16",) for i in projections}
         self._layers = tuple(self._describe(call) for call in self.calls.values() if is_tunable(call.layer))
         self._copies: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
     def _describe(self, call: models.LayerCall) -> TunableLayer:
         first = jax.tree_util.tree_leaves((call.args, call.kwargs))[0]
-        return TunableLayer(call.path, type(call.layer).__name__, supported_modes(call.layer),
-                            _signature(call.layer, call), tuple(np.shape(first)), call.producer)
+        return KerasTunableLayer(call.path, type(call.layer).__name__, supported_modes(call.layer),
+                                 _signature(call.layer, call), tuple(np.shape(first)), call.producer,
+                                 self._refused.get(id(call.layer), ()))
 
     def layers(self) -> tuple[TunableLayer, ...]:
         return self._layers
@@ -134,7 +153,9 @@ class KerasAdapter:
             if path in tunable or call.producer not in entries:
                 continue
             producer = entries[call.producer]
-            entries[path] = policies.DTypePolicy(getattr(producer, "source_name", None) or producer.name)
+            follow = policies.DTypePolicy(getattr(producer, "source_name", None) or producer.name)
+            if follow.name != FLOAT32:  # an int8_from_float32 layer hands on float32: nothing to add
+                entries[path] = follow
         return policies.DTypePolicyMap(FLOAT32, entries)
 
     def with_policies(self, policy_map: policies.DTypePolicyMap) -> Any:
