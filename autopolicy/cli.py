@@ -1,4 +1,4 @@
-"""The ``autopolicy`` command line: tune, report, export, show, profile, list.
+"""The ``autopolicy`` command line: tune, report, export, show, profile, list, apply.
 
 Every bad argument gets one clear line on stderr and exit status 2; ``--debug`` shows tracebacks.
 """
@@ -79,7 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = sub.add_parser("tune", help="tune an experiment end to end and write a run directory and report")
     tune.add_argument("experiment", nargs="?", default="digits_mlp",
-                      help="a built-in experiment (see `autopolicy list`) or a .py file (default: digits_mlp)")
+                      help="a built-in experiment (see `autopolicy list`), a .py file, or a .keras model with "
+                           "--eval and --sample (default: digits_mlp)")
+    tune.add_argument("--eval", default=None, metavar="MODULE:FUNCTION",
+                      help="for a .keras model: eval(model) -> float, higher is better (module or file.py)")
+    tune.add_argument("--sample", default=None, metavar="SAMPLE",
+                      help="for a .keras model: a realistic input batch, a .npy/.npz file or MODULE:FUNCTION")
+    tune.add_argument("--test", default=None, metavar="MODULE:FUNCTION",
+                      help="for a .keras model: test(model) -> float on held-out data, reported only")
     tune.add_argument("--max-drop", type=_fraction, default=None,
                       help="allowed metric drop, a fraction or percentage (default: the experiment's, usually 1%%)")
     tune.add_argument("--absolute", action="store_true", help="--max-drop is absolute, not relative to float32")
@@ -118,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--no-progress", action="store_true")
 
     sub.add_parser("list", help="list the built-in experiments")
+
+    apply = sub.add_parser("apply", help="apply a policy map to a .keras model and save the tuned model")
+    apply.add_argument("map_file", help="a policy map (JSON, Keras envelope), e.g. RUN_DIR/policy_map.json")
+    apply.add_argument("model", help="a .keras model file")
+    apply.add_argument("--out", required=True, help="the tuned .keras file to write")
+    apply.add_argument("--strict", action="store_true", help="fail when a key of the map matches no layer")
+    apply.add_argument("--sample", default=None, metavar="SAMPLE",
+                       help="a batch (.npy/.npz or MODULE:FUNCTION) to calibrate float8 scales on")
     return parser
 
 
@@ -132,10 +147,21 @@ def _experiment(name: str) -> Any:
     return module.build(experiment.default_cache_dir())
 
 
-def _tune(args: argparse.Namespace) -> int:
-    from autopolicy import search  # pylint: disable=import-outside-toplevel
+def _tune_experiment(args: argparse.Namespace) -> Any:
+    if args.experiment.endswith(".keras"):
+        from autopolicy import _cli_keras  # pylint: disable=import-outside-toplevel
 
-    exp = _experiment(args.experiment)
+        return _cli_keras.keras_experiment(args.experiment, args.eval, args.sample, args.test)
+    given = [flag for flag, value in (("--eval", args.eval), ("--sample", args.sample), ("--test", args.test)) if value]
+    if given:
+        raise UsageError(f"{', '.join(given)} only apply to a .keras model; an experiment defines its own")
+    return _experiment(args.experiment)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from autopolicy import _cli_keras, search  # pylint: disable=import-outside-toplevel
+
+    exp = _tune_experiment(args)
     out = args.out or os.path.join("runs", exp.name)
     max_drop = exp.max_drop if args.max_drop is None else args.max_drop
     result = search.tune(
@@ -150,6 +176,9 @@ def _tune(args: argparse.Namespace) -> int:
                                     "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:])}
     result.save(out)
     _print_summary(result.summary, out)
+    tuned = _cli_keras.save_tuned(result, out)
+    if tuned:
+        print(f"tuned Keras model: {tuned} (load it with autopolicy.keras.load)")
     if not args.no_report:
         from autopolicy import report  # pylint: disable=import-outside-toplevel
 
@@ -243,8 +272,15 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _apply(args: argparse.Namespace) -> int:
+    from autopolicy import _cli_keras  # pylint: disable=import-outside-toplevel
+
+    print(_cli_keras.apply_map(args.map_file, args.model, args.out, args.strict, args.sample))
+    return 0
+
+
 _COMMANDS = {"tune": _tune, "report": _report, "export": _export, "show": _show, "profile": _profile,
-             "list": _list}
+             "list": _list, "apply": _apply}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
