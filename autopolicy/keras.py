@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 from autopolicy import policies
 from autopolicy.adapters import _keras_models as models
-from autopolicy.adapters._keras_layers import keras
+from autopolicy.adapters._keras_layers import keras, quiet_numpy_conversion
 
 __all__ = ["apply_policy_map", "policy_map_of", "save", "load", "ARCHIVE_MEMBER"]
 
@@ -129,7 +129,8 @@ def save(model: Any, filepath: str | os.PathLike, policy_map: Any = None) -> Non
         raise ValueError(f"The model does not run the policy map; layers and (runs, map says): {wrong}")
     if not str(filepath).endswith(".keras"):
         raise ValueError(f"The file name must end in .keras. Received: filepath={str(filepath)!r}")
-    model.save(filepath)
+    with quiet_numpy_conversion():  # Keras converts int4 kernels with np.array(variable) when saving
+        model.save(filepath)
     meta = {"format": _FORMAT, "name": model.name, "layers": models.layer_index(model),
             "policy_map": policies.serialize(pmap)}
     with zipfile.ZipFile(filepath, "a") as archive:

@@ -395,6 +395,22 @@ def test_a_subclassed_model_is_tuned_by_its_own_paths_and_reloads_through_autopo
         keras.saving.load_model(tmp_path / "sub.keras")
 
 
+def test_int4_maps_apply_save_and_reload(tmp_path):
+    model = functional_model()
+    tuned = apk.apply_policy_map(model, {"mlp": "int4/8_from_float32", "embed": "int4_from_float32",
+                                         "attn/key": "int4_from_float32"})
+    got = policies_by_path(tuned)
+    assert (got["mlp"], got["embed"], got["attn/key"]) == ("int4/8_from_float32", "int4_from_float32",
+                                                           "int4_from_float32")
+    assert tuned.get_layer("mlp").kernel_zero.shape == (2, 32)  # 16 inputs in blocks of 8, per output
+    out = np.asarray(tuned(IDS))
+    assert 0 < np.abs(out - np.asarray(model(IDS))).max() < 0.1
+    apk.save(tuned, tmp_path / "int4.keras")
+    np.testing.assert_array_equal(np.asarray(apk.load(tmp_path / "int4.keras")(IDS)), out)
+    tuned.save(tmp_path / "native.keras")
+    np.testing.assert_array_equal(np.asarray(keras.saving.load_model(tmp_path / "native.keras")(IDS)), out)
+
+
 def test_save_refuses_a_model_that_does_not_run_the_map(tmp_path):
     model = functional_model()
     with pytest.raises(ValueError, match="No policy map is known for 'net'"):
