@@ -339,6 +339,7 @@ def test_float8_scales_are_calibrated_from_the_inputs():
 
 # --- saving --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_keras_loses_quantized_attention_sublayers_on_reload_and_our_route_keeps_them(tmp_path):
     plain = functional_model()
     with pytest.warns(UserWarning, match="does not have a `quantize` method"):

@@ -91,6 +91,9 @@ def _model_fn(model: Any):
 class KerasAdapter:
     """:class:`~autopolicy.search.adapter.ModelAdapter` for a built float ``keras.Model``.
 
+    ``sample_args`` are the model's positional arguments: a model with several inputs takes
+    them as one list or dict, so pass ``sample_input=([ids, mask],)``.
+
     Raises:
       TypeError: if ``model`` is not a ``keras.Model``.
       ValueError: if Keras is not on the JAX backend, the model is not built, is already
