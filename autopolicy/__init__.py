@@ -1,4 +1,4 @@
-"""autopolicy: per-layer dtype policies (float32, bfloat16/float16, int8, float8) for JAX,
+"""autopolicy: per-layer dtype policies (float32, bfloat16/float16, int8, float8, int4) for JAX,
 and a search that picks the fastest ones that keep accuracy within budget.
 
 Importing ``autopolicy`` does not import pandas or matplotlib (reports and the CLI do).
@@ -19,6 +19,7 @@ from autopolicy.policies import (
     DTypePolicy,
     DTypePolicyMap,
     FloatDTypePolicy,
+    Int4DTypePolicy,
     QuantizedDTypePolicy,
     QuantizedFloat8DTypePolicy,
     deserialize,
@@ -48,6 +49,7 @@ __all__ = [
     "FloatDTypePolicy",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
+    "Int4DTypePolicy",
     "DTypePolicyMap",
     "get",
     "serialize",

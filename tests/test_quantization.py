@@ -300,11 +300,17 @@ QUANTIZE_ERRORS = {
         ValueError,
         "has no float8 kernel",
     ),
-    "int4": (
+    "int7": (
         lambda: _built(nn.Dense(4), X2),
-        "int4",
+        "int7",
         ValueError,
-        r"Expected one of \('int8', 'float8'\). Received: mode='int4'",
+        r"Expected one of \('int8', 'float8', 'int4', 'int4/<block_size>'\). Received: mode='int7'",
+    ),
+    "conv_int4": (
+        lambda: _built(nn.Conv2D(2, 3), IMAGES),
+        "int4/128",
+        ValueError,
+        r"has no int4 kernel.*\('int8',\)",
     ),
     "float16_compute": (
         lambda: _built(nn.Dense(4, dtype="mixed_float16"), X2),

@@ -142,7 +142,7 @@ def test_an_interrupted_run_resumes_without_repeating_work(trained, tmp_path):
         ({"eval_fn": lambda m: 1 / 0}, ValueError, "ZeroDivisionError"),
         ({"eval_fn": lambda m: float("nan")}, ValueError, "nan"),
         ({"eval_fn": lambda m: "high"}, TypeError, "'high'"),
-        ({"candidates": ["float32", "int4_from_float32"]}, ValueError, "int4_from_float32"),
+        ({"candidates": ["float32", "int4/0_from_float32"]}, ValueError, "int4/0_from_float32"),
         ({"candidates": "float32"}, ValueError, "candidates"),
         ({"max_drop": -0.1}, ValueError, "max_drop=-0.1"),
         ({"max_drop": "1%"}, ValueError, "max_drop='1%'"),

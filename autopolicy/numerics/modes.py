@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from autopolicy.numerics import float8, int8
+from autopolicy.numerics import float8, int4, int8
 from autopolicy.policies import QUANTIZATION_MODES
 
 __all__ = ["OPS", "ModeNumerics", "NUMERICS", "numerics_of"]
@@ -99,6 +99,16 @@ NUMERICS: tuple[ModeNumerics, ...] = (
         state=("fp8",),
         replaces_kernel=False,
         retune=float8.retune,
+    ),
+    ModeNumerics(
+        name="int4",
+        quantize=int4.quantize_weights,
+        kernels=(("einsum", int4.einsum_kernel),),
+        state=("kernel_scale", "kernel_colsum"),
+        replaces_kernel=True,
+        frozen=("kernel", "kernel_scale", "kernel_colsum"),
+        no_autocast=("kernel_scale",),
+        layout=int4.block_size_of,
     ),
 )
 

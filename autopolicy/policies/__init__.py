@@ -18,6 +18,7 @@ from autopolicy.policies._modes import (
 from autopolicy.policies._policy import (
     DTypePolicy,
     FloatDTypePolicy,
+    Int4DTypePolicy,
     QuantizedDTypePolicy,
     QuantizedFloat8DTypePolicy,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "FloatDTypePolicy",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
+    "Int4DTypePolicy",
     "DTypePolicyMap",
     "QUANTIZATION_MODES",
     "QUANTIZATION_SPELLINGS",

@@ -118,6 +118,19 @@ MODES: tuple[QuantizationMode, ...] = (
         layer_kinds=("dense", "einsum_dense"),
         color="#8172b3",
     ),
+    QuantizationMode(
+        name="int4",
+        summary="int4 weights packed two to a byte, scales per output channel or per block of "
+        "the contracted axis; inputs quantized to int8 per row; int32 accumulation",
+        forms=(
+            # Per output channel, as Keras 3 names it: QuantizedDTypePolicy("int4", ...).
+            PolicyForm("int4", "QuantizedDTypePolicy", _QUANTIZED_KEYS, "int4"),
+            # Keras 3.15's Int4DTypePolicy: blocks of <block_size> inputs, or -1 per channel.
+            PolicyForm("int4/<block_size>", "Int4DTypePolicy", _QUANTIZED_KEYS, "int4/128"),
+        ),
+        layer_kinds=("dense", "einsum_dense"),
+        color="#937860",
+    ),
 )
 
 QUANTIZATION_MODES: tuple[str, ...] = tuple(m.name for m in MODES)

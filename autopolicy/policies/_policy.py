@@ -7,6 +7,7 @@ hash, pickle, and can be static arguments of ``jax.jit``.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, ClassVar
 
 import numpy as np
@@ -18,6 +19,7 @@ __all__ = [
     "FloatDTypePolicy",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
+    "Int4DTypePolicy",
 ]
 
 
@@ -117,7 +119,7 @@ class QuantizedDTypePolicy(DTypePolicy):
 
     Args:
       mode: A quantization mode this class builds in the registry of quantization modes:
-        ``"int8"``.
+        ``"int8"``, or ``"int4"`` (int4 weights with one scale per output channel).
       source_name: The non-quantized policy the float parts follow (``"float32"``,
         ``"mixed_bfloat16"``, ...). None means the global policy's name. int8 with a float16
         compute dtype is refused: the rescaled int32 products overflow float16.
@@ -199,9 +201,57 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         return {**super().get_config(), "amax_history_length": self.amax_history_length}
 
 
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
+class Int4DTypePolicy(QuantizedDTypePolicy):
+    """An int4 policy with a block size, as Keras 3.15's ``Int4DTypePolicy``.
+
+    Args:
+      mode: ``"int4/<block_size>"``: ``<block_size>`` consecutive inputs (along the contracted
+        axis) share one scale per output, e.g. ``"int4/128"``; ``"int4/-1"`` is one scale per
+        output channel (the same weights as ``QuantizedDTypePolicy("int4")``).
+      source_name: The non-quantized policy the float parts follow; None means the global one.
+
+    Raises:
+      ValueError: for another mode, or a block size that is not -1 or a positive integer.
+
+    >>> policy = Int4DTypePolicy("int4/128", "float32")
+    >>> policy.name, policy.quantization_mode, policy.block_size, policy.get_config()["mode"]
+    ('int4/128_from_float32', 'int4', 128, 'int4/128')
+    """
+
+    block_size: int
+
+    keras_class_name: ClassVar[str] = "Int4DTypePolicy"
+
+    def __init__(self, mode: str, source_name: str | None = None):
+        self._init_quantized(mode, source_name, block_size=_int4_block_size(mode))
+
+    def get_config(self) -> dict[str, Any]:
+        return {"mode": f"{self.mode}/{self.block_size}", "source_name": self.source_name}
+
+
+_BLOCK_FORMAT = "'int4/<block_size>' with block_size -1 (per output channel) or a positive integer, e.g. 'int4/128'"
+
+
+def _int4_block_size(mode: object) -> int:
+    """The block size written in ``mode`` (``"int4/128"`` -> 128), validated."""
+    _names.check_mode(mode, Int4DTypePolicy.keras_class_name)  # also refuses non-strings
+    text = mode.partition("/")[2]  # type: ignore[union-attr]
+    # Only the canonical decimal spelling, so that equal policies have equal names.
+    if not re.fullmatch(r"-?(0|[1-9][0-9]*)", text):
+        raise ValueError(f"Invalid mode for Int4DTypePolicy. Expected {_BLOCK_FORMAT}. Received: mode={mode!r}")
+    block_size = int(text)
+    if block_size == 0 or block_size < -1:
+        raise ValueError(
+            "Invalid int4 block size. Expected -1 (per output channel) or a positive integer. "
+            f"Received: block_size={block_size} (in mode={mode!r})"
+        )
+    return block_size
+
+
 #: The quantized policy classes by Keras class name (the registry names them by these).
 POLICY_CLASSES: dict[str, type[QuantizedDTypePolicy]] = {
-    cls.keras_class_name: cls for cls in (QuantizedDTypePolicy, QuantizedFloat8DTypePolicy)
+    cls.keras_class_name: cls for cls in (QuantizedDTypePolicy, QuantizedFloat8DTypePolicy, Int4DTypePolicy)
 }
 
 

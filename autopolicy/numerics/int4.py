@@ -1,0 +1,315 @@
+"""int4 quantization: weights packed two to a byte, scales per output channel or per block.
+
+Weights: symmetric abs-max, as Keras 3.15 quantizes per channel (``value_range=(-8, 7)``, scale
+``amax / 7``, so the values land in [-7, 7] and -8 stays unused). Keras's per-block form adds a
+zero point (asymmetric); this one stays symmetric, so the integer product needs no zero-point
+term. A kernel is first laid out as ``(K, *outputs)``, the contracted axes flattened into ``K``;
+scales cover one output channel over all of ``K`` (per channel, ``block_size=-1``) or over
+blocks of ``block_size`` consecutive entries of ``K`` (``G = ceil(K / block_size)`` scales per
+output). Packing: byte ``i`` holds row ``i`` in its low nibble and row ``i + ceil(K / 2)`` in its
+high one, so each half unpacks with one shift and no interleaving.
+
+The product: unpack the nibbles to int8 and multiply them with the inputs quantized to int8 per
+row, accumulating in int32 (on the CPU through the u8 x s8 VNNI path of
+:mod:`autopolicy.numerics._u8s8_dot`, as int8 does), one accumulator per block, each rescaled by
+its block's scale. The alternative, dequantizing the kernel to float and multiplying in float,
+was measured slower: the dequantized kernel costs a float32 product plus the unpacking.
+Medians of 7 rounds of 30 jitted calls, microseconds, on the 2-core AVX-512 VNNI CPU this was
+written on (``x: (rows, K) @ (K, N)``, float32 inputs and output)::
+
+    rows x K x N       float32   int8   int4 per channel   int4/128   dequantize, /-1   /128
+    64 x 512 x 256        776     387        338               357           818         780
+    128 x 1024 x 1024    6883    1332       1260              2288          6579        6078
+    32 x 4096 x 4096    61514   15513      14583             13216         86716       88789
+    1 x 1024 x 1024       326     167        267               404           796         887
+
+So int4 runs at about int8's speed from a few dozen rows on; at one row (decoding a token)
+unpacking dominates. Its gain is memory: 8x less than float32 per channel, 7.1x with blocks of
+128 (whose scales and column sums add 1/16 byte per weight).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autopolicy.numerics import _u8s8_dot
+from autopolicy.numerics.int8 import INT8_MAX
+
+__all__ = [
+    "INT4_MIN",
+    "INT4_MAX",
+    "PER_CHANNEL",
+    "block_count",
+    "pack_int4",
+    "unpack_int4",
+    "quantize_int4",
+    "dequantize_int4",
+    "int4_matmul",
+    "int4_einsum",
+    "block_size_of",
+    "quantize_weights",
+    "einsum_kernel",
+]
+
+INT4_MIN, INT4_MAX = -8, 7
+#: The block size that means one scale per output channel (Keras's ``int4/-1``).
+PER_CHANNEL = -1
+_FOUR = np.int8(4)
+
+
+def block_count(k: int, block_size: int) -> int:
+    """How many scales each output has over a contraction of ``k``.
+
+    >>> block_count(300, 128), block_count(300, PER_CHANNEL)
+    (3, 1)
+    """
+    return 1 if block_size == PER_CHANNEL else math.ceil(k / block_size)
+
+
+@jax.jit
+def pack_int4(q: jax.Array) -> jax.Array:
+    """Packs int8 values in [-8, 7] two to a byte along axis 0: ``(K, ...) -> (ceil(K/2), ...)``
+    uint8, row ``i`` in the low nibble and row ``i + ceil(K/2)`` in the high one.
+
+    >>> pack_int4(jnp.array([[-3], [7], [2]], jnp.int8))  # (-3 & 15) | (2 << 4), 7 | (0 << 4)
+    Array([[45],
+           [ 7]], dtype=uint8)
+    """
+    k = q.shape[0]
+    half = (k + 1) // 2
+    padded = jnp.pad(q, [(0, 2 * half - k)] + [(0, 0)] * (q.ndim - 1))
+    bits = jax.lax.bitcast_convert_type(padded, jnp.uint8)
+    return (bits[:half] & np.uint8(0x0F)) | jax.lax.shift_left(bits[half:], np.uint8(4))
+
+
+def _low(packed: jax.Array) -> jax.Array:
+    signed = jax.lax.bitcast_convert_type(packed, jnp.int8)
+    return jax.lax.shift_right_arithmetic(jax.lax.shift_left(signed, _FOUR), _FOUR)
+
+
+def _high(packed: jax.Array) -> jax.Array:
+    return jax.lax.shift_right_arithmetic(jax.lax.bitcast_convert_type(packed, jnp.int8), _FOUR)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def unpack_int4(packed: jax.Array, k: int) -> jax.Array:
+    """The int8 values :func:`pack_int4` packed: ``(ceil(k/2), ...) -> (k, ...)``.
+
+    >>> unpack_int4(jnp.array([[45], [7]], jnp.uint8), 3)[:, 0]
+    Array([-3,  7,  2], dtype=int8)
+    """
+    return jnp.concatenate([_low(packed), _high(packed)])[:k]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def quantize_int4(w: jax.Array, block_size: int, scale_dtype: Any = jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int4 quantization of ``w: (K, ...)`` with one scale per output and block of
+    ``block_size`` rows (``PER_CHANNEL``: all ``K`` rows).
+
+    Returns:
+      ``(q, scale)``: ``q`` int8 in [-7, 7] shaped like ``w``; ``scale`` ``(G, ...)`` with
+      ``w ~= q * scale`` repeated over each block's rows.
+
+    >>> q, s = quantize_int4(jnp.array([[0.7], [-1.4], [0.1], [0.2]]), 2)
+    >>> q[:, 0], s[:, 0]
+    (Array([ 4, -7,  3,  7], dtype=int8), Array([0.2       , 0.02857143], dtype=float32))
+    """
+    k = w.shape[0]
+    block = k if block_size == PER_CHANNEL else block_size
+    groups = block_count(k, block_size)
+    wf = jnp.pad(w.astype(jnp.float32), [(0, groups * block - k)] + [(0, 0)] * (w.ndim - 1))
+    wf = wf.reshape((groups, block) + w.shape[1:])
+    amax = jnp.max(jnp.abs(wf), axis=1, keepdims=True)
+    # An all-zero block gets scale 1 (its values quantize to 0 either way).
+    scale = jnp.where(amax > 0, amax / INT4_MAX, 1.0)
+    q = jnp.clip(jnp.round(wf * (1.0 / scale)), INT4_MIN, INT4_MAX).astype(jnp.int8)
+    return q.reshape((groups * block,) + w.shape[1:])[:k], jnp.squeeze(scale, 1).astype(scale_dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def dequantize_int4(packed: jax.Array, scale: jax.Array, k: int, block_size: int, dtype: Any) -> jax.Array:
+    """The ``(k, ...)`` kernel that ``packed`` and ``scale`` stand for, in ``dtype``."""
+    q = unpack_int4(packed, k).astype(jnp.float32)
+    block = k if block_size == PER_CHANNEL else block_size
+    per_row = jnp.repeat(scale.astype(jnp.float32), block, axis=0, total_repeat_length=scale.shape[0] * block)
+    return (q * per_row[:k]).astype(dtype)
+
+
+def _segments(k: int, block: int) -> list[list[tuple[int, int, int, int]]]:
+    """Per block of rows, the ``(half, start, stop, x_start)`` slices of the packed halves."""
+    half = (k + 1) // 2
+    out = []
+    for g in range(math.ceil(k / block)):
+        lo, hi = g * block, min(g * block + block, k)
+        parts = []
+        if lo < half:
+            parts.append((0, lo, min(hi, half), lo))
+        if hi > half:
+            parts.append((1, max(lo, half) - half, hi - half, max(lo, half)))
+        out.append(parts)
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _column_sums(q: jax.Array, block_size: int) -> jax.Array:
+    """``128 * sum(q)`` per block of rows, in int32 (what the +128 shift of u8 inputs adds)."""
+    k = q.shape[0]
+    block = k if block_size == PER_CHANNEL else block_size
+    groups = block_count(k, block_size)
+    padded = jnp.pad(q.astype(jnp.int32), [(0, groups * block - k)] + [(0, 0)] * (q.ndim - 1))
+    return 128 * jnp.sum(padded.reshape((groups, block) + q.shape[1:]), axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _int4_matmul(
+    x: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    colsum: jax.Array,
+    block_size: int,
+    compute_dtype: Any,
+) -> jax.Array:
+    """``x @ kernel`` for ``x: (M, K)`` and a packed int4 kernel ``(ceil(K/2), N)``.
+
+    ``x`` is quantized to int8 per row; each block's int32 accumulator is rescaled by its scale
+    ``(G, N)``; ``colsum`` ``(G, N)`` is ``128 * sum`` of each block's int4 values. Inputs get a
+    straight-through gradient: the gradient of the product with the dequantized kernel.
+    """
+    return _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype)[0]
+
+
+# Jitted once per shape, block size and dtype: called outside a trace, its ops would otherwise
+# run (and compile) one by one.
+int4_matmul = jax.jit(_int4_matmul, static_argnums=(4, 5))
+
+
+def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype):
+    rows, k = x.shape
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    xq = jnp.clip(jnp.round(xf * (1.0 / x_scale)), -INT8_MAX, INT8_MAX)
+    u8 = _u8s8_dot.AVAILABLE and jax.default_backend() == "cpu"
+    if u8:
+        xin = (xq + 128.0).astype(jnp.uint8)
+        if rows == 1:  # YNNPACK's kernel needs two rows; a copy costs less than the slow path.
+            xin = jnp.concatenate([xin, xin])
+        dot = _u8s8_dot.u8s8_matmul
+    else:
+        xin = xq.astype(jnp.int8)
+        dot = functools.partial(jnp.matmul, preferred_element_type=jnp.int32)
+    halves = (_low(packed), _high(packed))
+    block = k if block_size == PER_CHANNEL else block_size
+    y = None
+    for g, parts in enumerate(_segments(k, block)):
+        acc = None
+        for half, start, stop, x_start in parts:
+            part = dot(xin[:, x_start : x_start + stop - start], halves[half][start:stop])
+            acc = part if acc is None else acc + part
+        if u8:
+            acc = acc[:rows] - colsum[g]
+        term = acc.astype(jnp.float32) * scale[g].astype(jnp.float32)
+        y = term if y is None else y + term
+    return (y * x_scale).astype(compute_dtype), (x, packed, scale, colsum)
+
+
+def _int4_matmul_bwd(block_size, compute_dtype, residuals, g):
+    del compute_dtype
+    x, packed, scale, colsum = residuals
+    kernel = dequantize_int4(packed, scale, x.shape[1], block_size, x.dtype)
+    dx = jnp.matmul(g.astype(x.dtype), kernel.T)
+    # The packed kernel, its scales and column sums are not trained: no gradient flows to them.
+    return (dx, np.zeros(packed.shape, jax.dtypes.float0), jnp.zeros_like(scale),
+            np.zeros(colsum.shape, jax.dtypes.float0))
+
+
+_int4_matmul.defvjp(_int4_matmul_fwd, _int4_matmul_bwd)
+
+
+def _split_equation(equation: str) -> tuple[str, str, str]:
+    inputs, out = equation.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    return lhs, rhs, out
+
+
+def int4_einsum(
+    equation: str,
+    x: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    colsum: jax.Array,
+    block_size: int,
+    compute_dtype: Any,
+) -> jax.Array:
+    """``einsum(equation, x, kernel)`` with the int4 kernel of :func:`quantize_weights`.
+
+    The kernel is stored as ``(K, *outputs)`` (its contracted axes, in the equation's kernel
+    order, flattened into ``K``). An equation that is a matrix product once ``x`` is transposed
+    runs :func:`int4_matmul`; any other (an axis shared by input, kernel and output, an axis
+    summed in ``x`` alone) runs on the dequantized kernel.
+    """
+    lhs, rhs, out = _split_equation(equation)
+    contracted = [c for c in rhs if c in lhs and c not in out]
+    others = [c for c in rhs if c not in contracted]
+    free_x = [c for c in lhs if c not in contracted]
+    sizes = dict(zip(lhs, x.shape))
+    k = math.prod(sizes[c] for c in contracted)
+    plain = (
+        "." not in equation
+        and len(set(lhs)) == len(lhs)
+        and len(set(rhs)) == len(rhs)
+        and not set(free_x) & set(others)
+        and sorted(free_x + others) == sorted(out)
+    )
+    if not plain:
+        kernel = dequantize_int4(packed, scale, k, block_size, x.dtype)
+        kernel = kernel.reshape(tuple(sizes[c] for c in contracted) + packed.shape[1:])
+        kernel = jnp.transpose(kernel, [(contracted + others).index(c) for c in rhs])
+        return jnp.einsum(equation, x, kernel).astype(compute_dtype)
+    order = [lhs.index(c) for c in free_x + contracted]
+    x2 = jnp.transpose(x, order).reshape((-1, k))
+    n = math.prod(packed.shape[1:])
+    y2 = int4_matmul(x2, packed.reshape((packed.shape[0], n)), scale.reshape((scale.shape[0], n)),
+                     colsum.reshape((colsum.shape[0], n)), block_size, compute_dtype)
+    y = y2.reshape(tuple(sizes[c] for c in free_x) + packed.shape[1:])
+    return jnp.transpose(y, [(free_x + others).index(c) for c in out])
+
+
+# --- the mode's entry points (autopolicy.numerics.modes) --------------------------------------
+
+
+def block_size_of(policy: Any) -> tuple[int]:
+    """The layout of a policy's int4 weights: ``(block_size,)``, ``PER_CHANNEL`` for
+    ``int4_from_*`` and ``int4/-1_from_*``."""
+    return (getattr(policy, "block_size", PER_CHANNEL),)
+
+
+def quantize_weights(kernel: jax.Array, contract_axes: Sequence[int], op: str, policy: Any,
+                     scale_dtype: Any) -> dict[str, jax.Array]:
+    """The int4 form of a float kernel: ``kernel`` (packed uint8 ``(ceil(K/2), *outputs)``),
+    ``kernel_scale`` ``(G, *outputs)`` and ``kernel_colsum`` ``(G, *outputs)`` int32."""
+    del op  # int4 runs einsum kernels only
+    (block_size,) = block_size_of(policy)
+    axes = tuple(sorted(a % kernel.ndim for a in contract_axes))
+    return _quantize_kernel(kernel, axes, block_size, jnp.dtype(scale_dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize_kernel(kernel, axes, block_size, scale_dtype):
+    others = [a for a in range(kernel.ndim) if a not in axes]
+    outputs = tuple(kernel.shape[a] for a in others)
+    w = jnp.transpose(kernel, list(axes) + others).reshape((-1,) + outputs)
+    q, scale = quantize_int4(w, block_size, scale_dtype)
+    return {"kernel": pack_int4(q), "kernel_scale": scale, "kernel_colsum": _column_sums(q, block_size)}
+
+
+def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, compute_dtype: Any) -> jax.Array:
+    (block_size,) = layout
+    return int4_einsum(equation, x, weights["kernel"], weights["kernel_scale"], weights["kernel_colsum"],
+                       block_size, compute_dtype)
