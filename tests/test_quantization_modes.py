@@ -84,3 +84,12 @@ def test_an_inconsistent_table_is_refused():
     with pytest.raises(ValueError, match="QuantizedDTypePolicy"):
         _modes._check_registry((int8, dataclasses.replace(int8, name="int2", forms=(
             dataclasses.replace(wrong_keys, spelling="int2"),))))
+
+
+def test_report_colours_come_from_the_registry():
+    from autopolicy.report import _plot  # pylint: disable=import-outside-toplevel
+
+    names = [f"{mode}_from_float32" for mode in policies.QUANTIZATION_MODES]
+    colours = _plot.policy_colors(["float32", "mixed_bfloat16"] + names)
+    assert [colours[n] for n in names] == [policies.get_quantization_mode(m).color for m in policies.QUANTIZATION_MODES]
+    assert len(set(colours.values())) == len(colours)  # every policy its own colour

@@ -129,7 +129,7 @@ MODES: tuple[QuantizationMode, ...] = (
             PolicyForm("int4/<block_size>", "Int4DTypePolicy", _QUANTIZED_KEYS, "int4/128"),
         ),
         layer_kinds=("dense", "einsum_dense"),
-        color="#937860",
+        color="#e6ab02",
     ),
 )
 

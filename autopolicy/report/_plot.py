@@ -19,7 +19,7 @@ from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from matplotlib.transforms import Bbox
 
-from autopolicy import _atomic
+from autopolicy import _atomic, policies
 
 __all__ = ["new_figure", "save_png", "device_title", "short_labels", "policy_colors",
            "place_labels", "log_axis", "DPI", "LOG_RANGE", "MAX_HEIGHT_IN"]
@@ -31,8 +31,8 @@ _KNOWN_COLORS = {  # one colour per policy family, the same in every figure
     "float32": "#4c72b0",
     "mixed_bfloat16": "#dd8452",
     "mixed_float16": "#c44e52",
-    "int8_from_float32": "#55a868",
-    "float8_from_float32": "#8172b3",
+    # Each quantization mode's colour, from the registry of quantization modes.
+    **{f"{m}_from_float32": policies.get_quantization_mode(m).color for m in policies.QUANTIZATION_MODES},
 }
 
 
