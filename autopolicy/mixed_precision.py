@@ -10,39 +10,28 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autopolicy.numerics.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from autopolicy.numerics.loss_scale import (
+    LOSS_SCALE_CHOICES,
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    parse_loss_scale,
+)
 from autopolicy.policies import DTypePolicy, dtype_policy, set_dtype_policy
 
 __all__ = ["Policy", "set_policy", "global_policy", "LOSS_SCALE_CHOICES"]
 
-LOSS_SCALE_CHOICES = ("'auto'", "'dynamic'", "None", "a number > 0", "a loss-scale object")
-
 
 def _loss_scale_config(name: str, loss_scale: Any) -> tuple | None:
     """A hashable description of the loss scale, so the policy stays hashable."""
-    if isinstance(loss_scale, str):
-        if loss_scale == "auto":
-            return ("dynamic",) if name == "mixed_float16" else None
-        if loss_scale == "dynamic":
-            return ("dynamic",)
-    elif loss_scale is None or isinstance(loss_scale, NoOpLossScale):
-        return None
-    elif isinstance(loss_scale, DynamicLossScale):
-        return (
-            "dynamic",
-            float(loss_scale.loss_scale),
-            loss_scale.growth_interval,
-            loss_scale.factor,
-            loss_scale.min_scale,
-        )
-    elif isinstance(loss_scale, StaticLossScale):
-        return ("static", float(loss_scale.loss_scale))
-    elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        StaticLossScale(loss_scale)  # validates: finite and > 0
-        return ("static", float(loss_scale))
-    raise ValueError(
-        f"Invalid loss_scale. Expected one of {LOSS_SCALE_CHOICES}. Received: loss_scale={loss_scale!r}"
-    )
+    # TF 2's "auto": dynamic for mixed_float16, none otherwise.
+    auto = DynamicLossScale if name == "mixed_float16" else NoOpLossScale
+    scale = parse_loss_scale(loss_scale, auto)
+    if isinstance(scale, DynamicLossScale):
+        return ("dynamic", float(scale.loss_scale), scale.growth_interval, scale.factor, scale.min_scale)
+    if isinstance(scale, StaticLossScale):
+        return ("static", float(scale.loss_scale))
+    return None
 
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False)

@@ -420,3 +420,36 @@ def test_keras_loss_scale_optimizer_errors_use_keras_names(kwargs, text):
         ap.LossScaleOptimizer(optax.sgd(0.1), **kwargs)
     assert text in str(info.value)
 
+
+
+# --- one parser for every loss_scale argument -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec,kind,value",
+    [("auto", "StaticLossScale", 3.0), ("dynamic", "DynamicLossScale", 2.0**15), (None, "NoOpLossScale", 1.0),
+     (8, "StaticLossScale", 8.0), (0.5, "StaticLossScale", 0.5)],
+)
+def test_parse_loss_scale(spec, kind, value):
+    scale = ap.numerics.parse_loss_scale(spec, auto=lambda: ap.StaticLossScale(3.0))
+    assert type(scale).__name__ == kind and float(scale.loss_scale) == value
+
+
+@pytest.mark.parametrize("bad", ["Dynamic", -2, 0, float("inf"), True, [1.0]])
+def test_parse_loss_scale_refuses_by_name(bad):
+    with pytest.raises(ValueError) as info:
+        ap.numerics.parse_loss_scale(bad, auto=ap.NoOpLossScale)
+    assert f"loss_scale={bad!r}" in str(info.value)
+    assert str(ap.numerics.LOSS_SCALE_CHOICES) in str(info.value)
+
+
+def test_the_training_loop_and_the_legacy_policy_share_the_parser():
+    from autopolicy import mixed_precision  # pylint: disable=import-outside-toplevel
+    from autopolicy.train import loop  # pylint: disable=import-outside-toplevel
+
+    assert mixed_precision.LOSS_SCALE_CHOICES is loop.LOSS_SCALE_CHOICES is ap.numerics.LOSS_SCALE_CHOICES
+    with pytest.raises(ValueError, match=r"Expected one of .*loss_scale='sometimes'"):
+        mixed_precision.Policy("mixed_float16", "sometimes")
+    scale = ap.StaticLossScale(4.0)
+    assert mixed_precision.Policy("float32", scale).loss_scale_config == ("static", 4.0)
+    assert mixed_precision.Policy("mixed_float16").loss_scale_config == ("dynamic", 2.0**15, 2000, 2.0, 1.0)

@@ -103,6 +103,13 @@ INVALID = [
     (ap.QuantizedFloat8DTypePolicy, ("float8", "float32", 2.5), TypeError, "2.5"),
     (ap.QuantizedFloat8DTypePolicy, ("float8", "float32", True), TypeError, "True"),
     (ap.QuantizedFloat8DTypePolicy, ("float8", "float32", 0), ValueError, "0"),
+    # A typo's length would die much later, deep inside JAX: refused with the bound.
+    (ap.QuantizedFloat8DTypePolicy, ("float8", "float32", 10**30), ValueError, f"between 1 and {2**20}"),
+    (ap.QuantizedFloat8DTypePolicy, ("float8", "float32", 10**30), ValueError, f"={10**30}"),
+    (ap.QuantizedFloat8DTypePolicy, ("float8", "float32", 2**20 + 1), ValueError, f"={2**20 + 1}"),
+    (ap.get, ([],), ValueError, "Received: []"),  # not NumPy's reading of it ('void')
+    (ap.get, ({1},), ValueError, "Received: {1}"),
+    (ap.get, (np.dtype([("a", "f4")]),), ValueError, "dtype([('a', '<f4')])"),
     (ap.set_dtype_policy, (None,), ValueError, "None"),
     (ap.set_dtype_policy, ("banana",), ValueError, "banana"),
     (ap.set_dtype_policy, (ap.DTypePolicyMap("float32"),), ValueError, "DTypePolicyMap"),
@@ -114,6 +121,18 @@ def test_invalid_inputs(fn, args, exc, text):
     with pytest.raises(exc) as info:
         fn(*args)
     assert text in str(info.value)
+
+
+def test_amax_history_length_bounds_are_accepted():
+    assert ap.QuantizedFloat8DTypePolicy("float8", "float32", 2**20).amax_history_length == 2**20
+    assert ap.QuantizedFloat8DTypePolicy("float8", "float32", 1).amax_history_length == 1
+    assert ap.QuantizedFloat8DTypePolicy().amax_history_length == 1024
+
+
+def test_the_void_reading_is_gone():
+    with pytest.raises(ValueError) as info:
+        ap.get([])
+    assert "void" not in str(info.value)
 
 
 def test_invalid_name_lists_the_valid_forms():

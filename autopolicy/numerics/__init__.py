@@ -1,11 +1,14 @@
-"""Numerics that know nothing of layers: loss scales and loss-scaling optimizers."""
+"""Numerics that know nothing of layers: loss scales, loss-scaling optimizers, and the int8,
+float8 and int4 quantizers and kernels (per mode in :mod:`autopolicy.numerics.modes`)."""
 
 from autopolicy.numerics.loss_scale import (
+    LOSS_SCALE_CHOICES,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
     all_finite,
+    parse_loss_scale,
     select_tree,
 )
 from autopolicy.numerics.optimizer import (
@@ -20,6 +23,8 @@ __all__ = [
     "StaticLossScale",
     "NoOpLossScale",
     "LossScale",
+    "LOSS_SCALE_CHOICES",
+    "parse_loss_scale",
     "all_finite",
     "select_tree",
     "LossScaleState",

@@ -8,7 +8,8 @@ overflow.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,8 @@ __all__ = [
     "StaticLossScale",
     "NoOpLossScale",
     "LossScale",
+    "LOSS_SCALE_CHOICES",
+    "parse_loss_scale",
     "all_finite",
     "select_tree",
 ]
@@ -199,6 +202,40 @@ class DynamicLossScale(_ScalingMixin):
 
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+
+#: What a ``loss_scale`` argument may be (training loops and the TF 2 legacy ``Policy``).
+LOSS_SCALE_CHOICES = ("'auto'", "'dynamic'", "None", "a number > 0", "a loss-scale object")
+
+
+def parse_loss_scale(loss_scale: Any, auto: Callable[[], LossScale]) -> LossScale:
+    """The loss scale a ``loss_scale`` argument means.
+
+    Args:
+      loss_scale: ``"auto"`` (whatever ``auto()`` decides), ``"dynamic"`` (a default
+        :class:`DynamicLossScale`), None (:class:`NoOpLossScale`), a finite number > 0 (a
+        :class:`StaticLossScale`), or a loss-scale object (returned as is).
+      auto: Called for ``"auto"`` only.
+
+    Raises:
+      ValueError: for anything else, naming the value and ``LOSS_SCALE_CHOICES``.
+
+    >>> parse_loss_scale(512, auto=NoOpLossScale)
+    StaticLossScale(512.0)
+    >>> type(parse_loss_scale("auto", auto=DynamicLossScale)).__name__
+    'DynamicLossScale'
+    """
+    if isinstance(loss_scale, (DynamicLossScale, StaticLossScale, NoOpLossScale)):
+        return loss_scale
+    if loss_scale is None:
+        return NoOpLossScale()
+    if isinstance(loss_scale, str) and loss_scale in ("auto", "dynamic"):
+        return auto() if loss_scale == "auto" else DynamicLossScale()
+    number = isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
+    if number and math.isfinite(loss_scale) and loss_scale > 0:
+        return StaticLossScale(loss_scale)
+    raise ValueError(
+        f"Invalid loss_scale. Expected one of {LOSS_SCALE_CHOICES}. Received: loss_scale={loss_scale!r}"
+    )
 
 
 def _show(x: Any) -> str:

@@ -5,6 +5,7 @@ Also importable as ``autopolicy.dtype_policies`` (Keras's name for this module).
 
 from autopolicy.policies._global import dtype_policy, policy_scope, set_dtype_policy
 from autopolicy.policies._map import DTypePolicyMap
+from autopolicy.policies._names import DEFAULT_POLICY_NAME
 from autopolicy.policies._modes import (
     LAYER_KINDS,
     QUANTIZATION_MODES,
@@ -37,6 +38,7 @@ __all__ = [
     "QuantizedFloat8DTypePolicy",
     "Int4DTypePolicy",
     "DTypePolicyMap",
+    "DEFAULT_POLICY_NAME",
     "QUANTIZATION_MODES",
     "QUANTIZATION_SPELLINGS",
     "LAYER_KINDS",

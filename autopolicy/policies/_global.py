@@ -6,11 +6,12 @@ import contextlib
 import contextvars
 from typing import Any, Iterator
 
+from autopolicy.policies import _names
 from autopolicy.policies._policy import DTypePolicy
 
 __all__ = ["dtype_policy", "set_dtype_policy", "policy_scope"]
 
-_DEFAULT = DTypePolicy("float32")
+_DEFAULT = DTypePolicy(_names.DEFAULT_POLICY_NAME)
 _global_policy: DTypePolicy = _DEFAULT
 # A scope overrides the process-wide policy in its own context only (threads and asyncio tasks
 # started elsewhere keep seeing the process-wide one).

@@ -15,7 +15,13 @@ MIXED_POLICIES = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
 # out on purpose: alone it reads as the quantization mode, so it gets a pointed error instead.
 OTHER_DTYPES = ("bool", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 QUANTIZATION_MODES = _modes.QUANTIZATION_MODES
+#: The global policy until one is set, and the policy every comparison is made against.
+DEFAULT_POLICY_NAME = "float32"
+DEFAULT_AMAX_HISTORY_LENGTH = 1024  # Keras's default
 MIN_AMAX_HISTORY_LENGTH = 1
+# Far past any use (Keras uses 1024) and small enough that three float32 histories per layer
+# stay at 12 MiB: a typo such as 10**30 is refused here, not deep inside JAX later.
+MAX_AMAX_HISTORY_LENGTH = 2**20
 
 PLAIN_NAMES = FLOAT_DTYPES + tuple(MIXED_POLICIES) + OTHER_DTYPES
 FLOAT_SOURCE_NAMES = FLOAT_DTYPES + tuple(MIXED_POLICIES)

@@ -167,7 +167,7 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
       mode: ``"float8"``.
       source_name: The non-quantized policy the float parts follow; None means the global one.
       amax_history_length: How many steps of absolute maxima each float8 tensor remembers to
-        compute its scale (an int >= 1).
+        compute its scale (an int from 1 to 2**20).
 
     >>> QuantizedFloat8DTypePolicy("float8", "float32", amax_history_length=16).amax_history_length
     16
@@ -181,7 +181,7 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         self,
         mode: str = "float8",
         source_name: str | None = None,
-        amax_history_length: int = 1024,
+        amax_history_length: int = _names.DEFAULT_AMAX_HISTORY_LENGTH,
     ):
         if isinstance(amax_history_length, bool) or not isinstance(
             amax_history_length, (int, np.integer)
@@ -190,9 +190,10 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
                 "amax_history_length must be an integer. "
                 f"Received: amax_history_length={amax_history_length!r}"
             )
-        if amax_history_length < _names.MIN_AMAX_HISTORY_LENGTH:
+        low, high = _names.MIN_AMAX_HISTORY_LENGTH, _names.MAX_AMAX_HISTORY_LENGTH
+        if not low <= amax_history_length <= high:
             raise ValueError(
-                f"amax_history_length must be >= {_names.MIN_AMAX_HISTORY_LENGTH}. "
+                f"amax_history_length must be between {low} and {high} (2**20). "
                 f"Received: amax_history_length={amax_history_length!r}"
             )
         self._init_quantized(mode, source_name, amax_history_length=int(amax_history_length))

@@ -17,10 +17,11 @@ from autopolicy.nn._module import Module
 from autopolicy.nn._partition import combine, partition
 from autopolicy.numerics import float8
 from autopolicy.numerics.loss_scale import (
+    LOSS_SCALE_CHOICES,
     DynamicLossScale,
     NoOpLossScale,
-    StaticLossScale,
     all_finite,
+    parse_loss_scale,
     select_tree,
 )
 from autopolicy.numerics.optimizer import find_loss_scale_state, loss_scale_optimizer
@@ -29,7 +30,6 @@ from autopolicy.train import metrics as metrics_lib
 
 __all__ = ["fit", "evaluate", "predict", "History", "resolve_loss_scale", "LOSS_SCALE_CHOICES"]
 
-LOSS_SCALE_CHOICES = ("'auto'", "'dynamic'", "None", "a number > 0", "a loss-scale object")
 
 
 @dataclasses.dataclass
@@ -61,19 +61,10 @@ def resolve_loss_scale(model: Module, loss_scale: Any = "auto"):
     policy if there is one; else a dynamic scale when any layer computes in float16 (or the
     global policy is ``mixed_float16``); else none. bfloat16 never needs one.
     """
-    if isinstance(loss_scale, (DynamicLossScale, StaticLossScale, NoOpLossScale)):
-        return loss_scale
-    if loss_scale is None:
-        return NoOpLossScale()
-    if isinstance(loss_scale, str) and loss_scale == "dynamic":
-        return DynamicLossScale()
-    number = isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
-    if number and math.isfinite(loss_scale) and loss_scale > 0:
-        return StaticLossScale(loss_scale)
-    if not (isinstance(loss_scale, str) and loss_scale == "auto"):
-        raise ValueError(
-            f"Invalid loss_scale. Expected one of {LOSS_SCALE_CHOICES}. Received: loss_scale={loss_scale!r}"
-        )
+    return parse_loss_scale(loss_scale, lambda: _auto_loss_scale(model))
+
+
+def _auto_loss_scale(model: Module):
     module_policies = [m._policy_source for m in model.modules().values()]
     for policy in module_policies + [policies.dtype_policy()]:
         legacy = _legacy_loss_scale(policy)
