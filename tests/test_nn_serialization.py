@@ -79,6 +79,24 @@ def test_unbuilt_models_and_junk_files(tmp_path):
         nn.load(tmp_path)
 
 
+def test_a_model_file_with_a_duplicate_key_is_refused(tmp_path):
+    nn.save(nn.Dense(2).build(jax.random.key(0), X), tmp_path)
+    text = (tmp_path / "model.json").read_text()
+    # A weight's dtype twice: the last one would win without a word.
+    assert text.count('"dtypes": {') == 1
+    (tmp_path / "model.json").write_text(text.replace('"dtypes": {', '"dtypes": {".kernel": "bfloat16", '))
+    with pytest.raises(ValueError, match="model.json.*duplicate key '.kernel'"):
+        nn.load(tmp_path)
+
+
+@pytest.mark.parametrize("directory", [3, None])
+def test_save_and_load_take_paths_only(directory):
+    with pytest.raises(TypeError, match=f"directory={directory!r} of type {type(directory).__name__}"):
+        nn.load(directory)
+    with pytest.raises(TypeError, match=f"directory={directory!r}"):
+        nn.save(nn.Dense(2).build(jax.random.key(0), X), directory)
+
+
 def test_weights_that_do_not_match_raise(tmp_path):
     nn.save(nn.Dense(2).build(jax.random.key(0), jnp.ones((1, 3))), tmp_path / "a")
     nn.save(nn.Dense(3).build(jax.random.key(0), jnp.ones((1, 3))), tmp_path / "b")

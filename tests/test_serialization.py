@@ -150,6 +150,44 @@ def test_load_policy_map_errors(tmp_path):
         ap.save_policy_map(ap.DTypePolicy("float32"), tmp_path / "x.json")
 
 
+DUPLICATED = {
+    # A repeated layer path, a repeated envelope key, a repeated config key: each would
+    # silently keep the last value.
+    "path": '{"class_name": "DTypePolicyMap", "config": {"default_policy": "float32", "policy_map": '
+            '{"enc/dense": "int8_from_float32", "enc/dense": "float32"}}}',
+    "envelope": '{"class_name": "DTypePolicyMap", "class_name": "DTypePolicy", "config": {}}',
+    "config": '{"class_name": "DTypePolicyMap", "config": {"default_policy": "float32", '
+              '"default_policy": "bfloat16", "policy_map": {}}}',
+}
+
+
+@pytest.mark.parametrize("case", list(DUPLICATED))
+def test_a_map_file_with_a_duplicate_key_is_refused(tmp_path, case):
+    path = tmp_path / "map.json"
+    path.write_text(DUPLICATED[case])
+    with pytest.raises(ValueError) as info:
+        ap.load_policy_map(path)
+    key = {"path": "'enc/dense'", "envelope": "'class_name'", "config": "'default_policy'"}[case]
+    assert f"duplicate key {key}" in str(info.value) and "map.json" in str(info.value)
+
+
+def test_a_map_file_nested_too_deeply_is_refused(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="deep.json.*nests too deeply"):
+        ap.load_policy_map(path)
+
+
+@pytest.mark.parametrize("path", [3, 3.5, b"map.json", None, ["map.json"]])
+def test_policy_map_paths_must_be_str_or_pathlike(tmp_path, path):
+    with pytest.raises(TypeError) as info:
+        ap.load_policy_map(path)
+    assert f"path={path!r} of type {type(path).__name__}" in str(info.value)
+    with pytest.raises(TypeError) as info:
+        ap.save_policy_map(ap.DTypePolicyMap("float32"), path)
+    assert f"path={path!r}" in str(info.value)
+
+
 def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "map.json"
     ap.save_policy_map(ap.DTypePolicyMap("float32", {"a": "bfloat16"}), path)

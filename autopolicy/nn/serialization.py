@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (bfloat16/float8 dtype names)
 import numpy as np
 
-from autopolicy import _atomic, policies
+from autopolicy import _atomic, _json, policies
 from autopolicy.nn import _config
 from autopolicy.nn._module import Module
 
@@ -38,7 +38,7 @@ def register_serializable(cls: type) -> type:
 def _policy_map(model: Module) -> policies.DTypePolicyMap:
     """Every module's policy by exact path (exact keys win over any regex reading of them)."""
     return policies.DTypePolicyMap(
-        "float32", {path: m.dtype_policy for path, m in model.modules().items()}
+        policies.DEFAULT_POLICY_NAME, {path: m.dtype_policy for path, m in model.modules().items()}
     )
 
 
@@ -62,6 +62,7 @@ def save(model: Module, directory: str | os.PathLike) -> None:
     """
     if not isinstance(model, Module) or not model.built:
         raise ValueError("save() needs a built model.")
+    directory = _json.check_path(directory, "directory")
     missing = [p for p, m in model.modules().items() if m.__dict__.get("_config") is None]
     if missing:
         raise ValueError(
@@ -111,14 +112,14 @@ def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = 
         with :func:`register_serializable`).
 
     Raises:
+      TypeError: if ``directory`` is not a str or os.PathLike.
       FileNotFoundError: if a file is missing.
-      ValueError: if the files are malformed or do not match the rebuilt architecture.
+      ValueError: if the files are malformed (a key repeated in ``model.json`` included) or do
+        not match the rebuilt architecture.
     """
+    directory = _json.check_path(directory, "directory")
     with open(os.path.join(directory, MODEL_FILE), "rb") as f:
-        try:
-            manifest = json.loads(f.read().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{MODEL_FILE} in {os.fspath(directory)!r} is not JSON: {e}") from None
+        manifest = _json.loads(f.read(), f"{MODEL_FILE} in {directory!r}", "JSON")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{MODEL_FILE} is not an autopolicy model (expected format {FORMAT!r}).")
     classes = {**_config.registered(), **(custom_objects or {})}

@@ -6,13 +6,12 @@ the JSON, evaluates anything or unpickles anything.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import numpy as np
 
-from autopolicy import _atomic
+from autopolicy import _atomic, _json
 from autopolicy.policies import _global, _modes, _names
 from autopolicy.policies._map import DTypePolicyMap
 from autopolicy.policies._policy import POLICY_CLASSES, DTypePolicy
@@ -133,16 +132,18 @@ def get(identifier: Any) -> DTypePolicy | DTypePolicyMap:
         return deserialize(identifier)
     if isinstance(identifier, str):
         return _from_name(identifier)
+    message = (
+        "Cannot interpret the dtype policy identifier. Expected None, a policy, a name "
+        f"({_names.VALID_FORMS}), a serialized dict or a dtype. Received: {identifier!r}"
+    )
+    # Only dtypes and scalar types (np.float16, jnp.bfloat16): NumPy reads much else as a dtype
+    # (np.dtype([]) is 'void'), and the message would then name that instead of the value.
+    if not isinstance(identifier, (np.dtype, type)):
+        raise ValueError(message)
     try:
-        name = _names.dtype_name(identifier)
+        return _from_name(_names.dtype_name(identifier))
     except (TypeError, ValueError):
-        name = None
-    if name is None or isinstance(identifier, (bool, int, float)):
-        raise ValueError(
-            "Cannot interpret the dtype policy identifier. Expected None, a policy, a name "
-            f"({_names.VALID_FORMS}), a serialized dict or a dtype. Received: {identifier!r}"
-        )
-    return _from_name(name)
+        raise ValueError(message) from None
 
 
 def _from_name(name: str) -> DTypePolicy:
@@ -163,27 +164,29 @@ def _from_name(name: str) -> DTypePolicy:
 
 
 def save_policy_map(policy_map: DTypePolicyMap, path: str | os.PathLike) -> None:
-    """Writes ``policy_map`` to ``path`` as Keras-envelope JSON, atomically."""
+    """Writes ``policy_map`` to ``path`` as Keras-envelope JSON, atomically.
+
+    Raises:
+      TypeError: if ``policy_map`` is not a DTypePolicyMap or ``path`` not a str or os.PathLike.
+    """
     if not isinstance(policy_map, DTypePolicyMap):
         raise TypeError(
             f"save_policy_map expects a DTypePolicyMap. Received: {type(policy_map).__name__}"
         )
-    _atomic.write_json(path, serialize(policy_map))
+    _atomic.write_json(_json.check_path(path), serialize(policy_map))
 
 
 def load_policy_map(path: str | os.PathLike) -> DTypePolicyMap:
     """Reads a policy map written by :func:`save_policy_map` or by Keras.
 
     Raises:
+      TypeError: if ``path`` is not a str or os.PathLike (an int is not read as a file
+        descriptor).
       FileNotFoundError: if ``path`` does not exist.
-      ValueError: if the file is not JSON or does not hold a serialized DTypePolicyMap.
+      ValueError: if the file is not JSON (a key repeated within an object included: JSON
+        parsers keep the last one silently) or does not hold a serialized DTypePolicyMap.
     """
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        config = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{os.fspath(path)!r} is not a JSON policy map: {e}") from None
+    config = _json.read(path, expected="a JSON policy map")
     loaded = deserialize(config)
     if not isinstance(loaded, DTypePolicyMap):
         raise ValueError(
