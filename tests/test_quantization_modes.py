@@ -93,3 +93,18 @@ def test_report_colours_come_from_the_registry():
     colours = _plot.policy_colors(["float32", "mixed_bfloat16"] + names)
     assert [colours[n] for n in names] == [policies.get_quantization_mode(m).color for m in policies.QUANTIZATION_MODES]
     assert len(set(colours.values())) == len(colours)  # every policy its own colour
+
+
+def test_the_policy_side_of_the_registry_imports_no_jax():
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    # autopolicy/__init__ imports nn (and jax): load the policies package on its own.
+    code = (
+        "import sys, types; pkg = types.ModuleType('autopolicy'); pkg.__path__ = ['autopolicy']; "
+        "sys.modules['autopolicy'] = pkg; import autopolicy.policies as p; "
+        "print('jax' in sys.modules, p.QUANTIZATION_MODES)"
+    )
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert out.stdout.strip() == "False ('int8', 'float8', 'int4')"
