@@ -151,6 +151,16 @@ def test_maps_with_int4_cross_both_ways(kdp):
     assert ap.serialize(ours) == kdp.serialize(keras_map)
 
 
+def test_keras_null_sources_follow_the_global_policy(kdp):
+    keras_map = kdp.DTypePolicyMap(None, {"a": kdp.Int4DTypePolicy("int4/128", "float32"),
+                                          "b": kdp.QuantizedDTypePolicy("int4", "float32")})
+    keras_json = json.loads(json.dumps(kdp.serialize(keras_map)))  # Keras writes source_name: null
+    with ap.policy_scope("mixed_bfloat16"):
+        ours = ap.deserialize(keras_json)
+        assert ours["a"] == policies.Int4DTypePolicy("int4/128", "mixed_bfloat16")
+        assert ours["b"] == ap.QuantizedDTypePolicy("int4", "mixed_bfloat16")
+
+
 def test_the_policy_keras_quantize_writes_loads_here(kdp):
     import keras  # pylint: disable=import-outside-toplevel
 

@@ -97,8 +97,11 @@ class Retyping:
     def quantize(self, mode: str, filter: Callable[[str, Any], bool] | None = None) -> Any:  # noqa: A002
         """Returns a copy whose layers run ``mode`` kernels.
 
-        ``mode`` is a quantization mode as policy names spell it (``"int8"``, ``"float8"``);
-        each quantized layer gets the policy ``f"{mode}_from_{its policy}"``. On a single layer,
+        ``mode`` is a quantization mode as policy names spell it (``"int8"``, ``"float8"``,
+        ``"int4"``, ``"int4/128"``); each quantized layer gets the policy
+        ``f"{mode}_from_{its policy}"``. ``"int4"`` keeps one scale per output channel, as the
+        name ``int4_from_float32`` says (Keras 3.15's ``quantize("int4")`` defaults to blocks of
+        128: pass ``"int4/128"`` for those). On a single layer,
         a layer type without such a kernel, an unbuilt layer or an already quantized one raise.
         On a model, layers without such a kernel are skipped (and logged);
         ``filter(path, layer)`` selects the layers to quantize.

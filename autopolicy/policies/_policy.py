@@ -66,7 +66,7 @@ class DTypePolicy:
         if _names.split_quantized(name) is not None:
             raise ValueError(
                 f"{name!r} is a quantized policy name: use autopolicy.policies.get({name!r}) or "
-                f"QuantizedDTypePolicy/QuantizedFloat8DTypePolicy. Received: name={name!r}"
+                f"one of {'/'.join(POLICY_CLASSES)}. Received: name={name!r}"
             )
         dtypes = _names.parse_plain(name)
         self._set_fields(name=name, compute_dtype=dtypes.compute, variable_dtype=dtypes.variable)
