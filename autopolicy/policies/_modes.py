@@ -8,9 +8,10 @@ and the kernels) are attached on the numerics side under the same mode name, in
 :mod:`autopolicy.numerics.modes`.
 
 Adding a mode: append a :class:`QuantizationMode` to ``MODES`` below (a new policy class only if
-its config differs from ``QuantizedDTypePolicy``'s), write its numerics module and list it in
-``autopolicy.numerics.modes``. Names, Keras JSON, ``nn`` quantization, the search's candidates
-and the reports then know it.
+its config differs from ``QuantizedDTypePolicy``'s), write its numerics module (a weight
+quantizer and a kernel per op it runs) and list it in ``autopolicy.numerics.modes``. Policy
+names, Keras JSON, ``nn`` quantization and each layer's ``supported_quantization_modes`` (which
+the search reads through its adapter) and the report colours then know it.
 """
 
 from __future__ import annotations
