@@ -33,10 +33,11 @@ LAYERS = [
 MIXED = {"net/dense": "int8_from_float32", "net/dense_1": "mixed_bfloat16"}
 
 
-def _profile(chosen: dict) -> pd.DataFrame:
+def _profile(chosen: dict, old: bool = False) -> pd.DataFrame:
     index = {name: i for i, name in enumerate(dict.fromkeys(row[0] for row in LAYERS))}
     rows = [{"index": index[layer], "layer": layer, "class": cls, "input_shape": "8x4",
              "chained": index[layer] > 0, "policy": policy, "compute_dtype": policies.get(policy).compute_dtype,
+             **({} if old else {"kernel": "int8 x int8 -> int32" if policy.startswith("int8") else ""}),
              "latency_s": ms / 1e3,
              "latency_p25_s": 0.9 * ms / 1e3, "latency_p75_s": 1.1 * ms / 1e3, "latency_cv": 0.05, "repeats": 5,
              "inner": 2, "nbytes": nbytes, "finite_output": not status.startswith("disqualified"),
@@ -46,28 +47,50 @@ def _profile(chosen: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _entry(predicted_ms, measured_ms, metric):
-    return {"predicted_latency_s": predicted_ms / 1e3, "measured_latency_s": measured_ms / 1e3,
-            "measured_latency_cv": 0.05, "metric": metric, "drop": None if metric is None else 0.9 - metric,
-            "meets_budget": None if metric is None else 0.9 - metric <= 0.009 + 1e-12}
+def _entry(predicted_ms, measured_ms, metric, calibrated_ms=None, speedup=None, rounds=24):
+    """A configuration's summary entry; ``speedup`` is ``(median, low, high)`` of paired rounds
+    (None: an older run, without calibration or paired rounds)."""
+    entry = {"predicted_latency_s": predicted_ms / 1e3, "measured_latency_s": measured_ms / 1e3,
+             "measured_latency_cv": 0.05, "metric": metric, "drop": None if metric is None else 0.9 - metric,
+             "meets_budget": None if metric is None else 0.9 - metric <= 0.009 + 1e-12}
+    if speedup is not None:
+        entry.update({"calibrated_latency_s": calibrated_ms / 1e3, "speedup_vs_float32": speedup[0],
+                      "speedup_interval": list(speedup[1:]), "rounds": rounds})
+    return entry
 
 
-def _summary(all_float32: bool) -> dict:
-    float32 = _entry(3.2, 4.0, 0.9)
+DECISIONS = [
+    "uniform mixed_bfloat16 replaces uniform float32: 1.620x [1.550, 1.700] over 24 rounds (margin 1.02)",
+    "map (round 1) replaces uniform mixed_bfloat16: 1.250x [1.180, 1.310] over 40 rounds (margin 1.02)",
+]
+BUSY_NOTE = ("the machine was busy: load average 3.1 on 4 cores beyond this run's own. Decisions used paired "
+             "rounds and confidence intervals; rerun on a quiet machine for tighter figures.")
+
+
+def _noise(busy: bool) -> dict:
+    return {"load_1m": 3.1 if busy else 0.4, "cores": 4.0, "cpu_per_wall": 0.62 if busy else 1.0,
+            "median_layer_cv": 0.14 if busy else 0.03, "noisy_layer_timings": 5 if busy else 0, "layer_timings": 8,
+            "extra_rounds_seconds": 2.5 if busy else 0.0, "busy": busy, "note": BUSY_NOTE if busy else "quiet"}
+
+
+def _summary(all_float32: bool, old: bool = False) -> dict:
+    paired = (lambda *s: None) if old else (lambda *s: s)  # an older run has no paired rounds
+    float32 = _entry(3.2, 4.0, 0.9, 3.8, paired(1.0, 1.0, 1.0))
     if all_float32:
-        uniform = {"float32": float32, "mixed_bfloat16": _entry(1.8, 4.4, None),
-                   "int8_from_float32": _entry(3.45, 5.0, None)}
+        uniform = {"float32": float32, "mixed_bfloat16": _entry(1.8, 4.4, None, 4.4, paired(0.91, 0.88, 0.95)),
+                   "int8_from_float32": _entry(3.45, 5.0, None, 5.0, paired(0.8, 0.78, 0.83))}
         chosen = {"name": "uniform float32", "policies": {}, "predicted_accuracy_cost": None, "nbytes": 12512,
                   **float32}
-        maps, best, speedups = [], "float32", (1.0, 1.0)
+        maps, best, speedups, decisions = [], "float32", (1.0, 1.0), []
     else:
-        uniform = {"float32": float32, "mixed_bfloat16": _entry(1.8, 2.5, 0.895),
-                   "int8_from_float32": _entry(3.45, 3.0, None)}
+        uniform = {"float32": float32, "mixed_bfloat16": _entry(1.8, 2.5, 0.895, 2.6, paired(1.62, 1.55, 1.70)),
+                   "int8_from_float32": _entry(3.42, 3.0, None, 3.0, paired(1.34, 1.30, 1.38))}
+        map_entry = _entry(1.5, 2.0, 0.894, 2.1, paired(2.01, 1.93, 2.09), rounds=40)
         chosen = {"name": "map (round 1)", "policies": dict(MIXED), "predicted_accuracy_cost": 0.006,
-                  "nbytes": 9612, **_entry(1.45, 2.0, 0.894)}
-        maps = [{"round": 1, "predicted_accuracy_cost": 0.006, "exact": True, **_entry(1.45, 2.0, 0.894)}]
-        best, speedups = "mixed_bfloat16", (2.0, 1.25)
-    return {
+                  "nbytes": 9612, **map_entry}
+        maps = [{"round": 1, "predicted_accuracy_cost": 0.006, "exact": True, **map_entry}]
+        best, speedups, decisions = "mixed_bfloat16", (2.0, 1.25), list(DECISIONS)
+    summary = {
         "device": DEVICE,
         "hardware": {"platform": "cpu", "device_kind": "cpu", "device_count": 1,
                      "cpu": {"model": "Test CPU @ 3.00GHz", "features": ["avx2", "fma"], "cores": 4},
@@ -81,23 +104,50 @@ def _summary(all_float32: bool) -> dict:
         "evaluations": {"profile": 4, "verify": 2, "total": 6}, "cache": {"hits": 1, "misses": 20},
         "wall_time_s": 12.5, "test": {"float32": 0.89, "chosen": 0.885},
     }
+    if not old:
+        summary.update({
+            "accuracy_profile": "measured",
+            "speedup_vs_float32_interval": list(chosen["speedup_interval"]),
+            "decisions": decisions,
+            "latency_model": {"scale": {"int8_from_float32": 0.87, "float32": 1.21, "mixed_bfloat16": 1.4},
+                              "fitted_on": 3 + len(maps)},
+            "noise": _noise(busy=not all_float32),
+        })
+    return summary
 
 
-def _frontier() -> pd.DataFrame:
-    return pd.DataFrame([
-        {"predicted_accuracy_cost": c, "predicted_metric": 0.9 - c, "predicted_latency_s": ms / 1e3,
-         "nbytes": 9612.0, "changed_layers": n, "within_budget": c <= 0.009, "exact": True,
-         "policies": json.dumps(p)}
-        for c, ms, n, p in [(0.0, 3.2, 0, {}), (0.002, 2.2, 1, {"net/dense_1": "mixed_bfloat16"}),
-                            (0.006, 1.45, 2, MIXED)]])
+# name, metric, measured latency (ms), calibrated latency (ms): the measured frontier, fastest first
+MEASURED_FRONTIER = [("map (round 1)", 0.894, 2.0, 2.1, MIXED), ("uniform mixed_bfloat16", 0.895, 2.5, 2.6,
+                     {layer: "mixed_bfloat16" for layer in ("net/dense", "net/dense_1")}),
+                     ("uniform float32", 0.9, 4.0, 3.8, {})]
+# predicted accuracy cost, predicted latency (ms), changed layers, policies: the solver's frontier
+PREDICTED_FRONTIER = [(0.0, 3.2, 0, {}), (0.002, 2.2, 1, {"net/dense_1": "mixed_bfloat16"}), (0.006, 1.45, 2, MIXED)]
 
 
-def write_run(run_dir, all_float32=False) -> str:
-    """A small run directory, written by the real ``TuneResult.save`` writer."""
+def _frontier(all_float32: bool = False, old: bool = False) -> pd.DataFrame:
+    predicted = [{"source": "predicted", "name": "", "predicted_accuracy_cost": c, "predicted_metric": 0.9 - c,
+                  "predicted_latency_s": ms / 1e3, "metric": math.nan, "measured_latency_s": math.nan,
+                  "nbytes": 9612.0, "changed_layers": n, "within_budget": c <= 0.009, "exact": True,
+                  "policies": json.dumps(p)} for c, ms, n, p in PREDICTED_FRONTIER]
+    if old:  # before the measured frontier: no source, name, metric or measured latency
+        return pd.DataFrame(predicted).drop(columns=["source", "name", "metric", "measured_latency_s"])
+    measured = [{"source": "measured", "name": name, "predicted_accuracy_cost": math.nan,
+                 "predicted_metric": math.nan, "predicted_latency_s": calibrated / 1e3, "metric": metric,
+                 "measured_latency_s": ms / 1e3, "nbytes": 9612.0, "changed_layers": len(p),
+                 "within_budget": True, "exact": None, "policies": json.dumps(p)}
+                for name, metric, ms, calibrated, p in MEASURED_FRONTIER[-1 if all_float32 else 0:]]
+    return pd.DataFrame(measured + predicted)
+
+
+def write_run(run_dir, all_float32=False, old=False) -> str:
+    """A small run directory, written by the real ``TuneResult.save`` writer; ``old``: as runs
+    wrote it before paired rounds (no intervals, decisions, latency model, noise, measured
+    frontier or kernel column)."""
     chosen = {} if all_float32 else MIXED
     entries = {**chosen, "net/act": "mixed_bfloat16"} if chosen else {}  # a follower of net/dense_1
     policy_map = policies.DTypePolicyMap("float32", entries)
-    search.result.write_run(run_dir, policy_map, _profile(chosen), _frontier(), _summary(all_float32))
+    search.result.write_run(run_dir, policy_map, _profile(chosen, old), _frontier(all_float32, old),
+                             _summary(all_float32, old))
     return os.fspath(run_dir)
 
 
@@ -140,8 +190,9 @@ def test_markdown_has_device_headline_map_and_figure_links(written):
     _, paths = written
     md = _read(paths["markdown"])
     assert DEVICE in md
-    assert "**Speedup vs float32:** 2.00×" in md
-    assert "**Speedup vs best uniform (mixed_bfloat16):** 1.25×" in md
+    assert ("**Speedup vs float32:** 2.01× [1.93, 2.09] (40 rounds) (median of paired per-round ratios, 95% "
+            "interval; measured end to end: 2 ms vs 4 ms)") in md
+    assert "**Speedup vs best uniform (mixed_bfloat16):** 1.25× (ratio of median latencies)" in md
     assert "map (round 1) (2 of 3 tuned layers changed)" in md
     assert "| net/dense | int8_from_float32 | tuned |" in md
     assert "| net/dense_1 | mixed_bfloat16 | tuned |" in md
@@ -194,12 +245,100 @@ def test_overview_table_compares_uniforms_and_maps_with_float32(run):
     assert list(table.columns) == tables.OVERVIEW_COLUMNS[1:]
     assert table.loc["map (round 1)", "chosen"] == "✓"
     assert table.loc["uniform float32", "chosen"] == ""
+    assert table.loc["map (round 1)", "predicted (ms)"] == pytest.approx(1.5)
+    assert table.loc["map (round 1)", "calibrated (ms)"] == pytest.approx(2.1)
     assert table.loc["map (round 1)", "measured (ms)"] == pytest.approx(2.0)
-    assert table.loc["map (round 1)", "latency / float32"] == pytest.approx(0.5)
+    assert list(table["speedup vs float32"]) == ["1.00× (reference; 24 rounds)", "1.62× [1.55, 1.70] (24 rounds)",
+                                                 "1.34× [1.30, 1.38] (24 rounds)", "2.01× [1.93, 2.09] (40 rounds)"]
     assert table.loc["uniform mixed_bfloat16", "drop"] == pytest.approx(0.005)
     assert table.loc["uniform mixed_bfloat16", "meets budget"] == "yes"
     assert table.loc["uniform int8_from_float32", "meets budget"] == "not evaluated"
     assert pd.isna(table.loc["uniform int8_from_float32", "metric"])
+
+
+def test_speedup_text_states_interval_and_rounds_or_a_dash():
+    entry = {"speedup_vs_float32": 1.834, "speedup_interval": [1.79, 1.88], "rounds": 40}
+    assert tables.speedup_text(entry) == "1.83× [1.79, 1.88] (40 rounds)"
+    assert tables.speedup_text({**entry, "speedup_interval": None}) == "1.83× [—] (40 rounds)"
+    assert tables.speedup_text({"measured_latency_s": 0.002}, float32_s=0.005) == "2.50× [—]"
+    assert tables.speedup_text({"rounds": 12}, reference=True) == "1.00× (reference; 12 rounds)"
+    assert tables.speedup_text({"measured_latency_s": None}, float32_s=0.005) == "—"
+
+
+def test_latency_model_table_states_each_prediction_and_its_relative_error(run):
+    table = report.latency_model_table(run).set_index("configuration")
+    assert list(table.columns) == tables.LATENCY_MODEL_COLUMNS[1:]
+    assert list(table["predicted error (%)"]) == pytest.approx([-20.0, -28.0, 14.0, -25.0])
+    assert list(table["calibrated error (%)"]) == pytest.approx([-5.0, 4.0, 0.0, 5.0])
+    assert table.loc["map (round 1)", "calibrated (ms)"] == pytest.approx(2.1)
+    assert table.loc["uniform float32", "measured CV"] == pytest.approx(0.05)
+    scales = report.latency_scales_table(run)
+    assert list(scales["policy"]) == CANDIDATES  # candidate order, not the summary's
+    assert list(scales["scale"]) == pytest.approx([1.21, 1.4, 0.87])
+
+
+def test_markdown_states_method_decisions_latency_model_and_a_busy_machine(written):
+    _, paths = written
+    md = _read(paths["markdown"])
+    sections = re.findall(r"^## (.+)$", md, flags=re.M)
+    assert sections[:4] == ["Headline", "Method", "How it was decided", "Measurement noise"]
+    assert sections.index("Uniform policies vs the chosen map") + 1 == sections.index("Latency model")
+    # The warning comes before the headline, with the run's own note.
+    warning = "> **⚠ Warning:** The machine was busy: load average 3.1 on 4 cores beyond this run's own."
+    assert md.index(warning) < md.index("## Headline")
+    assert "- **Verdict:** busy" in md
+    assert "- **Load average (1 min):** 3.10 on 4 cores" in md
+    assert "- **CPU time per wall second while timing:** 0.62" in md
+    assert "- **Noisy layer timings (CV > 0.1):** 5 of 8" in md
+    for line in DECISIONS:
+        assert f"- `{line}`" in md
+    assert "- **Extra rounds for close calls:** 2.5 s" in md
+    assert "- **Winner:** map (round 1)" in md
+    assert "- **Median |error|:** predicted 22.5%, calibrated 4.5%" in md
+    assert "- **Fitted on:** 4 end-to-end timings" in md
+    assert "| map (round 1) | 1.5 | 2.1 | 2 | 0.05 | -25 | 5 |" in md
+    assert "| mixed_bfloat16 | 1.4 |" in md
+    assert "| map (round 1) | ✓ | 1.5 | 2.1 | 2 | 2.01× [1.93, 2.09] (40 rounds) | 0.894 |" in md
+    assert "a seeded 95% percentile bootstrap of that median" in md
+    assert "fitted by least squares of relative errors on every end-to-end timing (4 configurations)" in md
+    assert "- **Per-layer accuracy cost:** each layer changed alone and the whole model scored (eval_fn)" in md
+    assert "predates paired rounds" not in md
+
+
+def test_html_shows_the_warning_and_the_decision_lines(written):
+    _, paths = written
+    page = _read(paths["html"])
+    assert page.count('<div class="warning" role="alert"><strong>⚠ Warning:</strong> The machine was busy') == 1
+    assert f"<li><code>{DECISIONS[1]}</code></li>" in page
+    assert "<h2>Latency model</h2>" in page
+
+
+def test_a_quiet_run_without_decisions_says_float32_stays(tmp_path):
+    paths = report.write_report(write_run(tmp_path / "run", all_float32=True))
+    md = _read(paths["markdown"])
+    assert "Warning" not in md
+    assert "- **Verdict:** quiet" in md
+    assert "No configuration that met the budget challenged float32, so float32 stays." in md
+
+
+def test_an_old_run_directory_without_the_new_keys_still_renders(tmp_path):
+    run_dir = write_run(tmp_path / "run", old=True)
+    assert "source" not in pd.read_csv(os.path.join(run_dir, "frontier.csv")).columns
+    paths = report.write_report(run_dir, tmp_path / "out")
+    md = _read(paths["markdown"])
+    assert "**Speedup vs float32:** 2.00× [—] (ratio of median latencies; no interval recorded;" in md
+    assert "| uniform mixed_bfloat16 |  | 1.8 | — | 2.5 | 1.60× [—] |" in md
+    assert "| uniform float32 |  | 3.2 | — | 4 | 1.00× (reference) |" in md
+    assert "This run predates paired rounds" in md
+    assert md.count("Not recorded by this run (—).") == 2  # decisions and noise
+    assert "Fitted scales: — (not recorded by this run)." in md
+    assert "- **Median |error|:** predicted 22.5%, calibrated —" in md
+    assert "Warning" not in md
+    table = report.latency_model_table(report.read_run(run_dir))
+    assert table["calibrated (ms)"].isna().all()
+    for name in FIGURE_NAMES:
+        with open(paths[name], "rb") as f:
+            assert f.read(8) == PNG_MAGIC, name
 
 
 def test_to_markdown_aligns_numbers_escapes_pipes_and_dashes_missing_values():
@@ -220,7 +359,7 @@ def test_all_float32_run_with_unevaluated_uniforms_reports_into_the_run_director
     assert paths["sensitivity"] == os.path.join(run_dir, "figures", "sensitivity.png")
     md = _read(paths["markdown"])
     assert "uniform float32 (every layer stays float32)" in md
-    assert "**Speedup vs float32:** 1.00×" in md
+    assert "**Speedup vs float32:** 1.00× (reference; 24 rounds) (float32 is the choice;" in md
     assert "| (every other layer) | float32 | default |" in md
     assert md.count("| not evaluated |") == 2
     run = report.read_run(run_dir)

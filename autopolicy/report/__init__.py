@@ -13,7 +13,15 @@ from autopolicy.report.figures import (
     sensitivity_heatmap,
 )
 from autopolicy.report.render import write_report
-from autopolicy.report.tables import layer_table, overview_table, policy_map_table, to_markdown
+from autopolicy.report.tables import (
+    latency_model_table,
+    latency_scales_table,
+    layer_table,
+    overview_table,
+    policy_map_table,
+    speedup_text,
+    to_markdown,
+)
 
 __all__ = [
     "write_report",
@@ -21,6 +29,9 @@ __all__ = [
     # tables
     "layer_table",
     "overview_table",
+    "latency_model_table",
+    "latency_scales_table",
+    "speedup_text",
     "policy_map_table",
     "to_markdown",
     # figures

@@ -15,7 +15,8 @@ import pandas as pd
 from autopolicy.report._cells import format_cell, is_numeric_column
 from autopolicy.report.tables import to_markdown as table_to_markdown
 
-__all__ = ["Heading", "Paragraph", "Facts", "Table", "Image", "Block", "to_markdown", "to_html"]
+__all__ = ["Heading", "Paragraph", "Facts", "Bullets", "Alert", "Table", "Image", "Block", "to_markdown",
+           "to_html"]
 
 
 @dataclasses.dataclass
@@ -37,6 +38,20 @@ class Facts:
 
 
 @dataclasses.dataclass
+class Bullets:
+    """A bulleted list of lines, each shown verbatim (code-like text in a monospace font)."""
+
+    items: list[str]
+
+
+@dataclasses.dataclass
+class Alert:
+    """A warning the reader must not miss: a quoted, bold-labelled paragraph, boxed in HTML."""
+
+    text: str
+
+
+@dataclasses.dataclass
 class Table:
     frame: pd.DataFrame
 
@@ -49,7 +64,7 @@ class Image:
     path: str
 
 
-Block = Union[Heading, Paragraph, Facts, Table, Image]
+Block = Union[Heading, Paragraph, Facts, Bullets, Alert, Table, Image]
 
 _CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 1200px;
@@ -64,6 +79,8 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr:nth-child(even) td { background: #fafafa; }
 figure { margin: 1rem 0 2rem; }
 figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+.warning { border: 2px solid #c0392b; background: #fdecea; padding: .5rem .8rem; border-radius: 4px; }
+ul.lines code { font-size: .85rem; }
 """.strip()
 
 
@@ -74,6 +91,10 @@ def _markdown_block(block: Block) -> str:
         return block.text
     if isinstance(block, Facts):
         return "\n".join(f"- **{label}:** {value}" for label, value in block.items)
+    if isinstance(block, Bullets):
+        return "\n".join("- `" + line.replace("`", "'") + "`" for line in block.items)
+    if isinstance(block, Alert):
+        return f"> **⚠ Warning:** {block.text}"
     if isinstance(block, Table):
         return table_to_markdown(block.frame).rstrip("\n")
     if isinstance(block, Image):
@@ -104,6 +125,11 @@ def _html_block(block: Block, images: Mapping[str, bytes]) -> str:
     if isinstance(block, Facts):
         items = "".join(f"<li><strong>{html.escape(k)}:</strong> {html.escape(v)}</li>" for k, v in block.items)
         return f"<ul>{items}</ul>"
+    if isinstance(block, Bullets):
+        lines = "".join(f"<li><code>{html.escape(line)}</code></li>" for line in block.items)
+        return f'<ul class="lines">{lines}</ul>'
+    if isinstance(block, Alert):
+        return f'<div class="warning" role="alert"><strong>⚠ Warning:</strong> {html.escape(block.text)}</div>'
     if isinstance(block, Table):
         return _html_table(block.frame)
     if isinstance(block, Image):

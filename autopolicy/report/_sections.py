@@ -6,7 +6,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from autopolicy.report import tables
+from autopolicy.report import _evidence, tables
 from autopolicy.report._cells import MISSING
 from autopolicy.report._document import Block, Facts, Heading, Image, Paragraph, Table
 
@@ -43,12 +43,23 @@ def _chosen_line(run: dict[str, Any]) -> str:
 
 
 def _speed(summary: dict[str, Any]) -> list[tuple[str, str]]:
-    chosen_s, float32_s = summary["chosen"].get("measured_latency_s"), summary["float32"].get("measured_latency_s")
+    chosen, float32_s = summary["chosen"], summary["float32"].get("measured_latency_s")
+    entry = dict(chosen)
+    if entry.get("speedup_interval") is None and isinstance(summary.get("speedup_vs_float32_interval"), list):
+        entry["speedup_interval"] = summary["speedup_vs_float32_interval"]
+    reference = chosen.get("name") == f"uniform {tables.FLOAT32}"
+    if reference:
+        how = "float32 is the choice"
+    elif _num(entry.get("speedup_vs_float32")) != MISSING:
+        how = "median of paired per-round ratios, 95% interval"
+    else:  # an older run: the ratio of median latencies
+        how = "ratio of median latencies; no interval recorded"
     best = summary.get("best_uniform", MISSING)
     return [
-        ("Speedup vs float32", f"{_num(summary.get('speedup_vs_float32'), '.2f', '×')} "
-                               f"(measured end to end: {_ms(chosen_s)} vs {_ms(float32_s)})"),
-        (f"Speedup vs best uniform ({best})", _num(summary.get("speedup_vs_best_uniform"), ".2f", "×")),
+        ("Speedup vs float32", f"{tables.speedup_text(entry, float32_s, reference=reference)} ({how}; measured end "
+                               f"to end: {_ms(chosen.get('measured_latency_s'))} vs {_ms(float32_s)})"),
+        (f"Speedup vs best uniform ({best})",
+         f"{_num(summary.get('speedup_vs_best_uniform'), '.2f', '×')} (ratio of median latencies)"),
     ]
 
 
@@ -121,10 +132,13 @@ def _tables(run: dict[str, Any]) -> list[Block]:
                   "autopolicy.load_policy_map, or in Keras with keras.dtype_policies.deserialize."),
         Table(tables.policy_map_table(run)),
         Heading("Uniform policies vs the chosen map"),
-        Paragraph("Predicted: the sum of the measured layer latencies and casts. Measured: the whole model "
-                  "jitted, end to end. latency / float32 below 1 is faster than float32. A metric of — was "
-                  "never evaluated: the configuration was slower than a verified map."),
+        Paragraph("Predicted: the sum of the isolated layer latencies and casts; calibrated: the latency model "
+                  "fitted end to end; measured: the whole model jitted, the median of paired rounds. Speed-up vs "
+                  "float32: the median of per-round ratios, its 95% interval in brackets, then the rounds; above "
+                  "1 is faster than float32. A metric of — was never evaluated: the configuration was slower "
+                  "than a verified map."),
         Table(tables.overview_table(run)),
+        *_evidence.latency_model(run),
         Heading("Per-layer measurements"),
         Paragraph("Latency in ms (median) under each policy; cost: the metric drop with only that layer "
                   "changed (— where it was not measured); bytes: the layer's weights."),
@@ -141,7 +155,8 @@ def _figures(figures: Mapping[str, str]) -> list[Block]:
 
 
 def report_blocks(run: dict[str, Any], run_dir: str | os.PathLike, figures: Mapping[str, str]) -> list[Block]:
-    """The whole report: headline, device, budget, tables and figures.
+    """The whole report: a warning when the machine was busy, headline, method, decisions,
+    noise, device, budget, tables (with the latency model) and figures.
 
     Args:
       run: A loaded run.
@@ -150,5 +165,6 @@ def report_blocks(run: dict[str, Any], run_dir: str | os.PathLike, figures: Mapp
     """
     summary = run["summary"]
     intro = Paragraph(f"Run directory: {os.fspath(run_dir)}. Device: {summary.get('device', MISSING)}.")
-    return [Heading("autopolicy tuning report", 1), intro, *_headline(run), *_hardware(summary),
-            *_budget(summary), *_tables(run), *_figures(figures)]
+    return [Heading("autopolicy tuning report", 1), intro, *_evidence.noise_alert(summary), *_headline(run),
+            *_evidence.method(summary), *_evidence.decisions(summary), *_evidence.noise(summary),
+            *_hardware(summary), *_budget(summary), *_tables(run), *_figures(figures)]

@@ -6,19 +6,23 @@ Every function takes a loaded run: the dict :func:`autopolicy.report.read_run` (
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pandas as pd
 
-from autopolicy.report._cells import format_cell, is_numeric_column
+from autopolicy.report._cells import MISSING, format_cell, is_numeric_column
 from autopolicy.search._defaults import REFERENCE as FLOAT32
 
-__all__ = ["policy_order", "layer_order", "pivot", "layer_table", "overview_table",
-           "policy_map_table", "to_markdown", "FLOAT32", "OVERVIEW_COLUMNS"]
+__all__ = ["policy_order", "layer_order", "pivot", "layer_table", "entries", "speedup_text", "overview_table",
+           "latency_model_table", "latency_scales_table", "policy_map_table", "to_markdown", "FLOAT32",
+           "OVERVIEW_COLUMNS", "LATENCY_MODEL_COLUMNS"]
 
 _PROFILED = ("measured", "reference")  # statuses whose accuracy cost was measured
-OVERVIEW_COLUMNS = ["configuration", "chosen", "predicted (ms)", "measured (ms)", "latency / float32",
-                    "metric", "drop", "meets budget"]
+OVERVIEW_COLUMNS = ["configuration", "chosen", "predicted (ms)", "calibrated (ms)", "measured (ms)",
+                    "speedup vs float32", "metric", "drop", "meets budget"]
+LATENCY_MODEL_COLUMNS = ["configuration", "predicted (ms)", "calibrated (ms)", "measured (ms)", "measured CV",
+                         "predicted error (%)", "calibrated error (%)"]
 
 
 def policy_order(run: dict[str, Any]) -> list[str]:
@@ -97,16 +101,63 @@ def _meets(value: Any) -> str:
     return "not evaluated" if value is None else ("yes" if value else "no")
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a float, or None when it is missing, not a number or not finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _ms(seconds: Any) -> float | None:
+    value = _finite(seconds)
+    return None if value is None else value * 1e3
+
+
+def entries(run: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The configurations timed end to end, as ``(name, summary entry)``: each uniform policy
+    ("uniform <policy>"), then each verified map ("map (round <n>)")."""
+    summary = run["summary"]
+    out = [(f"uniform {name}", entry) for name, entry in summary["uniform"].items()]
+    return out + [(f"map (round {entry.get('round')})", entry) for entry in summary.get("maps") or []]
+
+
+def speedup_text(entry: dict[str, Any], float32_s: Any = None, reference: bool = False) -> str:
+    """A configuration's speed-up over float32 with its 95% interval and rounds.
+
+    The median of the per-round ratios of paired end-to-end rounds, when the run recorded it;
+    for an older run, the ratio of the median latencies (``float32_s`` over the entry's), with
+    a dash for the interval it never measured.
+
+    >>> speedup_text({"speedup_vs_float32": 1.834, "speedup_interval": [1.79, 1.88], "rounds": 40})
+    '1.83× [1.79, 1.88] (40 rounds)'
+    >>> speedup_text({"measured_latency_s": 0.002}, float32_s=0.004)
+    '2.00× [—]'
+    """
+    rounds = entry.get("rounds")
+    rounds = rounds if isinstance(rounds, int) and not isinstance(rounds, bool) and rounds > 0 else None
+    count = f" ({rounds} rounds)" if rounds else ""
+    if reference:
+        return f"1.00× (reference; {rounds} rounds)" if rounds else "1.00× (reference)"
+    median, interval = _finite(entry.get("speedup_vs_float32")), entry.get("speedup_interval")
+    if median is not None:
+        bounds = [_finite(v) for v in interval] if isinstance(interval, list) and len(interval) == 2 else []
+        if len(bounds) == 2 and None not in bounds:
+            return f"{median:.2f}× [{bounds[0]:.2f}, {bounds[1]:.2f}]{count}"
+        return f"{median:.2f}× [{MISSING}]{count}"
+    measured, float32 = _finite(entry.get("measured_latency_s")), _finite(float32_s)
+    if measured and float32:
+        return f"{float32 / measured:.2f}× [{MISSING}]"
+    return MISSING
+
+
 def _overview_row(label: str, entry: dict[str, Any], float32_s: float | None, chosen: str) -> dict:
-    measured = entry.get("measured_latency_s")
-    predicted = entry.get("predicted_latency_s")
-    ratio = measured / float32_s if measured is not None and float32_s else None
     return {
         "configuration": label,
         "chosen": "✓" if label == chosen else "",
-        "predicted (ms)": None if predicted is None else predicted * 1e3,
-        "measured (ms)": None if measured is None else measured * 1e3,
-        "latency / float32": ratio,
+        "predicted (ms)": _ms(entry.get("predicted_latency_s")),
+        "calibrated (ms)": _ms(entry.get("calibrated_latency_s")),
+        "measured (ms)": _ms(entry.get("measured_latency_s")),
+        "speedup vs float32": speedup_text(entry, float32_s, reference=label == f"uniform {FLOAT32}"),
         "metric": entry.get("metric"),
         "drop": entry.get("drop"),
         "meets budget": _meets(entry.get("meets_budget")),
@@ -120,18 +171,64 @@ def overview_table(run: dict[str, Any]) -> pd.DataFrame:
       run: A loaded run.
 
     Returns:
-      Columns ``configuration, chosen, predicted (ms), measured (ms), latency / float32,
-      metric, drop, meets budget``; metric and drop are None where the run never evaluated
-      that configuration (its ``meets budget`` reads "not evaluated").
+      Columns :data:`OVERVIEW_COLUMNS`: latencies in ms (predicted: the sum of isolated layer
+      latencies and casts; calibrated: the latency model fitted end to end; measured: the
+      median of paired rounds), the speed-up over float32 as :func:`speedup_text` writes it,
+      metric and drop (None where the run never evaluated that configuration; its ``meets
+      budget`` reads "not evaluated"). Figures an older run did not record are None.
     """
     summary = run["summary"]
     float32_s = summary["float32"].get("measured_latency_s")
     chosen = summary["chosen"].get("name", "")
-    rows = [_overview_row(f"uniform {name}", entry, float32_s, chosen)
-            for name, entry in summary["uniform"].items()]
-    rows += [_overview_row(f"map (round {entry.get('round')})", entry, float32_s, chosen)
-             for entry in summary.get("maps") or []]
+    rows = [_overview_row(label, entry, float32_s, chosen) for label, entry in entries(run)]
     return pd.DataFrame(rows, columns=OVERVIEW_COLUMNS)
+
+
+def _error_pct(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return round(100.0 * (predicted - measured) / measured, 1)  # a tenth of a percent: far below the noise
+
+
+def latency_model_table(run: dict[str, Any]) -> pd.DataFrame:
+    """Predicted, calibrated and measured end-to-end latency of each configuration, with the
+    relative error of each prediction.
+
+    Args:
+      run: A loaded run.
+
+    Returns:
+      Columns :data:`LATENCY_MODEL_COLUMNS`; an error is ``100 * (prediction - measured) /
+      measured`` (positive: the prediction is too slow), None where a figure is missing.
+    """
+    rows = []
+    for label, entry in entries(run):
+        predicted, calibrated = _ms(entry.get("predicted_latency_s")), _ms(entry.get("calibrated_latency_s"))
+        measured = _ms(entry.get("measured_latency_s"))
+        rows.append({"configuration": label, "predicted (ms)": predicted, "calibrated (ms)": calibrated,
+                     "measured (ms)": measured, "measured CV": _finite(entry.get("measured_latency_cv")),
+                     "predicted error (%)": _error_pct(predicted, measured),
+                     "calibrated error (%)": _error_pct(calibrated, measured)})
+    return pd.DataFrame(rows, columns=LATENCY_MODEL_COLUMNS)
+
+
+def latency_scales_table(run: dict[str, Any]) -> pd.DataFrame:
+    """The latency model's fitted scale of each policy (calibrated = scale x isolated latency),
+    in candidate order; empty when the run recorded no latency model.
+
+    Args:
+      run: A loaded run.
+
+    Returns:
+      Columns ``policy, scale``.
+    """
+    model = run["summary"].get("latency_model")
+    scale = model.get("scale") if isinstance(model, dict) else None
+    if not isinstance(scale, dict):
+        scale = {}
+    order = [p for p in run["summary"].get("candidates") or [] if p in scale]
+    order += [p for p in scale if p not in order]
+    return pd.DataFrame({"policy": order, "scale": [_finite(scale[p]) for p in order]}, columns=["policy", "scale"])
 
 
 def policy_map_table(run: dict[str, Any]) -> pd.DataFrame:
