@@ -91,16 +91,132 @@ def save(model: Module, directory: str | os.PathLike) -> None:
     _atomic.write_json(os.path.join(directory, MODEL_FILE), manifest)
 
 
+class _Damaged(Exception):
+    """A detail of what is wrong with a save; :func:`load` turns it into one ValueError."""
+
+
 def _zeros(spec: Any) -> Any:
     if isinstance(spec, dict) and "shape" in spec:
-        return jnp.zeros(spec["shape"], jnp.dtype(spec["dtype"]))
+        shape = spec["shape"]
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise _Damaged(f"build input shape {shape!r} is not a list of sizes")
+        return jnp.zeros(shape, jnp.dtype(spec["dtype"]))
     if isinstance(spec, dict) and "value" in spec:
         return spec["value"]
     if isinstance(spec, list):
         return [_zeros(s) for s in spec]
     if isinstance(spec, dict):
         return {k: _zeros(v) for k, v in spec.items()}
-    raise ValueError(f"Malformed build input spec: {spec!r}")
+    raise _Damaged(f"malformed build input spec {spec!r}")
+
+
+def _read(directory: str, name: str) -> bytes:
+    try:
+        with open(os.path.join(directory, name), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(
+                f"No saved model at {directory!r} (nn.save writes a directory with {MODEL_FILE} and {WEIGHTS_FILE})."
+            ) from None
+        raise FileNotFoundError(
+            f"The saved model in {directory!r} is incomplete: it has no {name}. Save the model again with "
+            "nn.save (or restore the file)."
+        ) from None
+
+
+def _manifest(raw: bytes, directory: str) -> dict[str, Any]:
+    try:
+        manifest = _json.loads(raw, MODEL_FILE, "JSON")
+    except ValueError as e:
+        raise _Damaged(str(e)) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{MODEL_FILE} in {directory!r} is not an autopolicy model (expected format {FORMAT!r}).")
+    missing = [k for k in ("config", "build_inputs", "policy_map", "dtypes") if k not in manifest]
+    if missing:
+        raise _Damaged(f"{MODEL_FILE} lacks {missing}")
+    inputs = manifest["build_inputs"]
+    if not isinstance(inputs, dict) or not isinstance(inputs.get("args"), list) or not isinstance(
+            inputs.get("kwargs"), dict):
+        raise _Damaged(f"{MODEL_FILE} has malformed build_inputs {str(inputs)[:80]!r}")
+    if not isinstance(manifest["dtypes"], dict):
+        raise _Damaged(f"{MODEL_FILE} has malformed dtypes {str(manifest['dtypes'])[:80]!r}")
+    return manifest
+
+
+def _class_names(config: Any) -> set[str]:
+    """The module classes a config constructs (``{"class": ..., "args": ..., "kwargs": ...}``)."""
+    if isinstance(config, list):
+        return set().union(*(_class_names(v) for v in config))
+    if not isinstance(config, dict):
+        return set()
+    names = {config["class"]} if {"class", "args", "kwargs"} <= set(config) and isinstance(config["class"], str) else set()
+    return names.union(*(_class_names(v) for v in config.values()))
+
+
+def _rebuild(manifest: dict[str, Any], classes: dict[str, type], directory: str) -> Module:
+    unknown = sorted(_class_names(manifest["config"]) - set(classes))
+    if unknown:
+        raise ValueError(
+            f"Cannot rebuild the model saved in {directory!r}: unknown layer classes {unknown}. Register them with "
+            "autopolicy.nn.register_serializable or pass custom_objects={'Name': Class} to load()."
+        )
+    try:
+        model = _config.decode_call(manifest["config"], classes)
+    except Exception as e:  # pylint: disable=broad-except
+        raise _Damaged(f"its config does not rebuild a model ({type(e).__name__}: {e})") from e
+    if not isinstance(model, Module):
+        raise _Damaged(f"its config rebuilds a {type(model).__name__}, not a module")
+    try:
+        model = model.with_dtype_policy(policies.deserialize(manifest["policy_map"]))
+        inputs = manifest["build_inputs"]
+        return model.build(jax.random.key(0), *_zeros(inputs["args"]), **_zeros(inputs["kwargs"]))
+    except _Damaged:
+        raise
+    except Exception as e:  # pylint: disable=broad-except
+        raise _Damaged(f"its policies or build inputs do not rebuild the model ({type(e).__name__}: {e})") from e
+
+
+def _array(stored: Any, key: str) -> np.ndarray:
+    try:
+        return stored[key]
+    except ValueError as e:
+        if "allow_pickle" in str(e):  # never NumPy's advice to unpickle: nothing is unpickled here
+            raise _Damaged(f"{WEIGHTS_FILE} holds a Python object array under {key!r}, not numbers") from None
+        raise _Damaged(f"{WEIGHTS_FILE}: the array {key!r} is unreadable ({e})") from None
+    except Exception as e:  # pylint: disable=broad-except
+        raise _Damaged(f"{WEIGHTS_FILE}: the array {key!r} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def _weights(raw: bytes, model: Module, dtypes: dict[str, Any]) -> list[jax.Array]:
+    try:
+        stored = np.load(io.BytesIO(raw), allow_pickle=False)
+    except Exception as e:  # pylint: disable=broad-except
+        raise _Damaged(f"{WEIGHTS_FILE} is not a readable .npz archive ({type(e).__name__}: {e})") from None
+    if not isinstance(stored, np.lib.npyio.NpzFile):
+        raise _Damaged(f"{WEIGHTS_FILE} is a single .npy array, not an .npz archive")
+    with stored:
+        leaves = jax.tree_util.tree_flatten_with_path(model)[0]
+        keys = [jax.tree_util.keystr(p) for p, _ in leaves]
+        if sorted(keys) != sorted(stored.files):
+            raise _Damaged(
+                f"{WEIGHTS_FILE} does not match the rebuilt model: missing {sorted(set(keys) - set(stored.files))}, "
+                f"unexpected {sorted(set(stored.files) - set(keys))}"
+            )
+        values = []
+        for key, (_, leaf) in zip(keys, leaves):
+            arr = _array(stored, key)
+            try:
+                dtype = np.dtype(dtypes[key])
+                if arr.dtype != dtype:
+                    arr = arr.view(dtype)
+            except Exception as e:  # pylint: disable=broad-except
+                raise _Damaged(f"the dtype of {key!r} ({dtypes.get(key)!r}) does not fit its array "
+                               f"({type(e).__name__}: {e})") from None
+            if arr.shape != leaf.shape or dtype != leaf.dtype:
+                raise _Damaged(f"{key}: saved {dtype}{arr.shape}, the model has {leaf.dtype}{leaf.shape}")
+            values.append(jnp.asarray(arr))
+    return values
 
 
 def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = None) -> Module:
@@ -113,35 +229,32 @@ def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = 
 
     Raises:
       TypeError: if ``directory`` is not a str or os.PathLike.
-      FileNotFoundError: if a file is missing.
-      ValueError: if the files are malformed (a key repeated in ``model.json`` included) or do
-        not match the rebuilt architecture.
+      FileNotFoundError: if the directory or one of its two files is missing.
+      ValueError: one message naming the directory, for damaged files (a truncated or garbled
+        ``weights.npz``, a malformed ``model.json``, a key repeated in it, weights that do not
+        match the rebuilt architecture) or a layer class that is not registered.
+
+    >>> import tempfile
+    >>> from autopolicy import nn
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     save(nn.Dense(2).build(jax.random.key(0), jnp.ones((1, 3))), d)
+    ...     with open(os.path.join(d, WEIGHTS_FILE), "r+b") as f:
+    ...         _ = f.truncate(100)
+    ...     load(d)
+    Traceback (most recent call last):
+    ...
+    ValueError: The saved model in '...' is damaged: weights.npz is not a readable .npz archive (...). Save the model again with nn.save, or restore its files from a backup.
     """
     directory = _json.check_path(directory, "directory")
-    with open(os.path.join(directory, MODEL_FILE), "rb") as f:
-        manifest = _json.loads(f.read(), f"{MODEL_FILE} in {directory!r}", "JSON")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{MODEL_FILE} is not an autopolicy model (expected format {FORMAT!r}).")
     classes = {**_config.registered(), **(custom_objects or {})}
-    model = _config.decode_call(manifest["config"], classes)
-    model = model.with_dtype_policy(policies.deserialize(manifest["policy_map"]))
-    inputs = manifest["build_inputs"]
-    model = model.build(jax.random.key(0), *_zeros(inputs["args"]), **_zeros(inputs["kwargs"]))
-    with np.load(os.path.join(directory, WEIGHTS_FILE), allow_pickle=False) as stored:
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(model)
-        keys = [jax.tree_util.keystr(p) for p, _ in leaves]
-        if sorted(keys) != sorted(stored.files):
-            raise ValueError(
-                f"The saved weights do not match the rebuilt model: missing {sorted(set(keys) - set(stored.files))}, "
-                f"unexpected {sorted(set(stored.files) - set(keys))}."
-            )
-        values = []
-        for key, (_, leaf) in zip(keys, leaves):
-            arr = stored[key]
-            dtype = np.dtype(manifest["dtypes"][key])
-            if arr.dtype != dtype:
-                arr = arr.view(dtype)
-            if arr.shape != leaf.shape or dtype != leaf.dtype:
-                raise ValueError(f"{key}: saved {dtype}{arr.shape}, model has {leaf.dtype}{leaf.shape}")
-            values.append(jnp.asarray(arr))
+    model_raw = _read(directory, MODEL_FILE)
+    try:
+        manifest = _manifest(model_raw, directory)
+        model = _rebuild(manifest, classes, directory)
+        values = _weights(_read(directory, WEIGHTS_FILE), model, manifest["dtypes"])
+    except _Damaged as e:
+        raise ValueError(
+            f"The saved model in {directory!r} is damaged: {e}. Save the model again with nn.save, or restore its "
+            "files from a backup."
+        ) from None
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(model), values)

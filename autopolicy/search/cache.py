@@ -4,6 +4,12 @@ Entries are JSON records under string keys built from the hardware fingerprint, 
 signature, the policy and the input shape (latency), or from a hash of the model's weights
 (accuracy). The file is rewritten atomically after each new group of measurements: a kill at any
 moment leaves either the previous complete file or the new one.
+
+A cache on disk holds its directory's lock (:class:`autopolicy._rundir.RunLock`) from its
+creation to :meth:`MeasurementCache.close`: a second run on the same directory is refused at
+once, naming the process that holds it, since timings taken while two runs fight over the same
+cores would spoil every later run that reuses them. Taking the lock removes the temporary files
+of a killed run.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from autopolicy import _atomic
+from autopolicy import _atomic, _json, _rundir
 
 __all__ = ["MeasurementCache", "key", "weights_digest"]
 
@@ -39,25 +45,51 @@ def weights_digest(tree: Any) -> str:
 
 
 class MeasurementCache:
-    """A dict of measurements persisted in ``directory`` (or kept in memory when None)."""
+    """A dict of measurements persisted in ``directory`` (or kept in memory when None).
+
+    Use it as a context manager (or call :meth:`close`): that writes what is new and gives the
+    directory's lock back. Reads through :meth:`lookup` and :meth:`get_or_measure` are counted
+    in ``hits`` and ``misses``.
+
+    Args:
+      directory: Where ``measurements.json`` lives (created if missing), or None.
+
+    Raises:
+      TypeError: if ``directory`` is not None, a str or os.PathLike.
+      autopolicy._rundir.RunDirectoryLocked: if another process (or another open cache of this
+        process) holds the directory; the message names its process id.
+      NotADirectoryError, PermissionError, OSError: if the directory cannot be created or
+        written.
+      ValueError: if ``measurements.json`` is damaged (the message names it and says to delete
+        it).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     with MeasurementCache(d) as cache:
+    ...         cache.get_or_measure("k", lambda: 1.5)
+    ...     with MeasurementCache(d) as cache:
+    ...         cache.lookup("k"), cache.lookup("other"), cache.hits, cache.misses
+    1.5
+    (1.5, None, 1, 0)
+    """
 
     def __init__(self, directory: str | os.PathLike | None):
-        self.path = None if directory is None else os.path.join(directory, FILE_NAME)
+        self.path = None
         self.entries: dict[str, Any] = {}
         self.hits = 0
         self.misses = 0
-        if self.path is not None and os.path.exists(self.path):
-            try:
-                with open(self.path, encoding="utf-8") as f:
-                    loaded = json.load(f)
-            except (OSError, ValueError) as e:
-                raise ValueError(
-                    f"The measurement cache {self.path!r} is unreadable ({e}); delete it to start over."
-                ) from None
-            if not isinstance(loaded, dict):
-                raise ValueError(f"The measurement cache {self.path!r} is not a JSON object; delete it.")
-            self.entries = loaded
         self._dirty = False
+        self._closed = False
+        self._lock: _rundir.RunLock | None = None
+        if directory is None:
+            return
+        self._lock = _rundir.RunLock(_json.check_path(directory, "cache_dir"), "cache directory").acquire()
+        self.path = os.path.join(self._lock.directory, FILE_NAME)
+        try:
+            self.entries = _read(self.path)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def get_or_measure(self, cache_key: str, measure: Callable[[], Any]) -> Any:
         """The cached value for ``cache_key``, or ``measure()`` (recorded, not yet flushed)."""
@@ -91,14 +123,46 @@ class MeasurementCache:
         self.close()
 
     def close(self) -> None:
-        """Writes what is new; the cache can still be read afterwards."""
-        self.flush()
+        """Writes what is new and gives the directory's lock back; the cache can still be read
+        afterwards (not written). Closing twice is harmless."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._lock is not None:
+                self._lock.release()
 
     def __contains__(self, cache_key: str) -> bool:
         return cache_key in self.entries
 
     def flush(self) -> None:
-        """Writes new measurements to disk (atomically)."""
+        """Writes new measurements to disk (atomically).
+
+        Raises:
+          RuntimeError: if there is something to write after :meth:`close` (the lock is gone).
+        """
         if self.path is not None and self._dirty:
+            if self._closed:
+                raise RuntimeError(f"The measurement cache {self.path!r} is closed: new measurements cannot be "
+                                   "written after close().")
             _atomic.write_text(self.path, json.dumps(self.entries, allow_nan=True))
             self._dirty = False
+
+
+def _read(path: str) -> dict[str, Any]:
+    """The entries in ``path`` ({} when there is no file yet)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return {}
+    try:
+        loaded = _json.loads(raw, "it", "a JSON object")
+    except ValueError as e:
+        raise ValueError(f"The measurement cache {path!r} is damaged ({e}); delete it to measure again.") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"The measurement cache {path!r} is damaged (it holds a JSON {type(loaded).__name__}, "
+                         "not an object); delete it to measure again.")
+    return loaded
