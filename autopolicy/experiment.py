@@ -13,10 +13,11 @@ import importlib.util
 import os
 import pathlib
 import sys
+import warnings
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-__all__ = ["Experiment", "experiment_dirs", "available", "load", "cached_model", "default_cache_dir"]
+__all__ = ["Experiment", "experiment_dirs", "available", "load", "build", "cached_model", "default_cache_dir"]
 
 
 @dataclasses.dataclass
@@ -48,6 +49,25 @@ class Experiment:
     candidates: Sequence[str] | None = None
     metric_name: str = "metric"
     description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Experiment.name must be a non-empty str. Received: name={self.name!r}")
+        if self.model is None:
+            raise ValueError(f"Experiment {self.name!r} has no model (model=None).")
+        for field in ("eval_fn", "test_fn"):
+            value = getattr(self, field)
+            if not callable(value) and not (field == "test_fn" and value is None):
+                raise TypeError(f"Experiment.{field} must be a function of the model. Received: {field}={value!r}")
+        if self.sample_input is None:
+            raise ValueError(f"Experiment {self.name!r} has no sample_input (sample_input=None).")
+        if isinstance(self.max_drop, bool) or not isinstance(self.max_drop, (int, float)) or not self.max_drop >= 0:
+            raise ValueError(f"Experiment.max_drop must be a number >= 0. Received: max_drop={self.max_drop!r}")
+        if not isinstance(self.relative, bool):
+            raise TypeError(f"Experiment.relative must be True or False. Received: relative={self.relative!r}")
+        if isinstance(self.candidates, str):
+            raise TypeError(f"Experiment.candidates must be a sequence of policy names, not one str. "
+                            f"Received: candidates={self.candidates!r}; write ({self.candidates!r},)")
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -90,6 +110,9 @@ def _import(path: pathlib.Path) -> ModuleType:
     sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:  # pylint: disable=broad-except
+        del sys.modules[name]
+        raise ValueError(f"The experiment file {str(path)!r} failed to import: {_describe(e)}") from e
     except BaseException:
         del sys.modules[name]
         raise
@@ -98,12 +121,23 @@ def _import(path: pathlib.Path) -> ModuleType:
     return module
 
 
-def load(name_or_path: str) -> ModuleType:
+def _describe(error: BaseException) -> str:
+    """``SyntaxError: invalid syntax (tiny.py, line 3)``: the error's kind and first line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def load(name_or_path: str | os.PathLike) -> ModuleType:
     """The experiment module for a built-in name or a ``.py`` file path.
 
     Raises:
-      ValueError: naming the valid experiments, when there is no such experiment.
+      TypeError: if ``name_or_path`` is not a str or os.PathLike.
+      ValueError: naming the valid experiments, when there is no such experiment; naming the
+        file and the error, when the file fails to import (a SyntaxError, an exception).
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"An experiment is a name or a .py path. Received: {name_or_path!r}")
+    name_or_path = os.fspath(name_or_path)
     path = pathlib.Path(name_or_path)
     if path.suffix == ".py":
         if not path.is_file():
@@ -119,14 +153,55 @@ def load(name_or_path: str) -> ModuleType:
     return module
 
 
+def build(module: ModuleType, cache_dir: str | os.PathLike | None = None) -> Experiment:
+    """Calls the experiment module's ``build(cache_dir)`` and checks what it returns.
+
+    Args:
+      module: From :func:`load`.
+      cache_dir: Where trained weights are cached (default: :func:`default_cache_dir`).
+
+    Raises:
+      ValueError: naming the experiment and the error, when ``build`` raises (file system
+        errors, OSError, are raised as they are).
+      TypeError: when it returns something other than an :class:`Experiment`.
+    """
+    where = getattr(module, "__file__", None) or getattr(module, "__name__", repr(module))
+    try:
+        made = module.build(default_cache_dir() if cache_dir is None else cache_dir)
+    except OSError:
+        raise
+    except (Exception, SystemExit) as e:  # pylint: disable=broad-except
+        raise ValueError(f"build() of the experiment {str(where)!r} failed: {_describe(e)}") from e
+    if not isinstance(made, Experiment):
+        raise TypeError(
+            f"build() of the experiment {str(where)!r} must return an autopolicy.experiment.Experiment. "
+            f"It returned {type(made).__name__} {str(made)[:60]!r}."
+        )
+    return made
+
+
+#: Temporary files older than this in an experiment cache belong to killed runs.
+_ORPHAN_AGE_S = 600.0
+
+
 def cached_model(cache_dir: str | os.PathLike, name: str, train: Callable[[], Any],
                  custom_objects: dict | None = None) -> Any:
-    """The model saved under ``cache_dir/name``, or ``train()``'s model (then saved there)."""
-    from autopolicy import nn  # pylint: disable=import-outside-toplevel
+    """The model saved under ``cache_dir/name``, or ``train()``'s model (then saved there).
+
+    A damaged save (a truncated ``weights.npz``, a garbled ``model.json``) is trained again,
+    with a warning naming it, rather than failing every later run.
+    """
+    from autopolicy import _atomic, nn  # pylint: disable=import-outside-toplevel
+    from autopolicy.nn import serialization  # pylint: disable=import-outside-toplevel
 
     directory = pathlib.Path(cache_dir) / name
-    if (directory / "model.json").is_file() and (directory / "weights.npz").is_file():
-        return nn.load(directory, custom_objects=custom_objects)
+    _atomic.remove_orphans(directory, older_than=_ORPHAN_AGE_S)
+    if (directory / "model.json").is_file() or (directory / "weights.npz").is_file():
+        try:
+            return nn.load(directory, custom_objects=custom_objects)
+        except (serialization.DamagedSaveError, FileNotFoundError) as e:
+            warnings.warn(f"The cached model {str(directory)!r} is damaged or incomplete; training it again. ({e})",
+                          UserWarning, stacklevel=2)
     model = train()
     nn.save(model, directory)
     return model

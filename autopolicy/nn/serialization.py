@@ -21,7 +21,7 @@ from autopolicy import _atomic, _json, policies
 from autopolicy.nn import _config
 from autopolicy.nn._module import Module
 
-__all__ = ["save", "load", "register_serializable"]
+__all__ = ["save", "load", "register_serializable", "DamagedSaveError"]
 
 FORMAT = "autopolicy.nn/1"
 MODEL_FILE = "model.json"
@@ -89,6 +89,10 @@ def save(model: Module, directory: str | os.PathLike) -> None:
     os.makedirs(directory, exist_ok=True)
     _atomic.write_bytes(os.path.join(directory, WEIGHTS_FILE), buffer.getvalue())
     _atomic.write_json(os.path.join(directory, MODEL_FILE), manifest)
+
+
+class DamagedSaveError(ValueError):
+    """A saved model whose files are damaged (truncated, garbled, or not matching each other)."""
 
 
 class _Damaged(Exception):
@@ -230,9 +234,10 @@ def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = 
     Raises:
       TypeError: if ``directory`` is not a str or os.PathLike.
       FileNotFoundError: if the directory or one of its two files is missing.
-      ValueError: one message naming the directory, for damaged files (a truncated or garbled
-        ``weights.npz``, a malformed ``model.json``, a key repeated in it, weights that do not
-        match the rebuilt architecture) or a layer class that is not registered.
+      DamagedSaveError: (a ValueError) one message naming the directory, for damaged files (a
+        truncated or garbled ``weights.npz``, a malformed ``model.json``, a key repeated in it,
+        weights that do not match the rebuilt architecture).
+      ValueError: for a layer class that is not registered, or a ``model.json`` of another kind.
 
     >>> import tempfile
     >>> from autopolicy import nn
@@ -243,7 +248,7 @@ def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = 
     ...     load(d)
     Traceback (most recent call last):
     ...
-    ValueError: The saved model in '...' is damaged: weights.npz is not a readable .npz archive (...). Save the model again with nn.save, or restore its files from a backup.
+    autopolicy.nn.serialization.DamagedSaveError: The saved model in '...' is damaged: weights.npz is not a readable .npz archive (...). Save the model again with nn.save, or restore its files from a backup.
     """
     directory = _json.check_path(directory, "directory")
     classes = {**_config.registered(), **(custom_objects or {})}
@@ -253,7 +258,7 @@ def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = 
         model = _rebuild(manifest, classes, directory)
         values = _weights(_read(directory, WEIGHTS_FILE), model, manifest["dtypes"])
     except _Damaged as e:
-        raise ValueError(
+        raise DamagedSaveError(
             f"The saved model in {directory!r} is damaged: {e}. Save the model again with nn.save, or restore its "
             "files from a backup."
         ) from None
