@@ -341,6 +341,59 @@ def test_an_old_run_directory_without_the_new_keys_still_renders(tmp_path):
             assert f.read(8) == PNG_MAGIC, name
 
 
+def _drawn(monkeypatch, figure, run, tmp_path):
+    """The axes a figure function draws (its PNG still written)."""
+    from autopolicy.report import _plot  # pylint: disable=import-outside-toplevel
+
+    drawn, save = [], _plot.save_png
+    monkeypatch.setattr(_plot, "save_png", lambda fig, path: drawn.append(fig) or save(fig, path))
+    figure(run, tmp_path / "figure.png")
+    return drawn[0].axes[0]
+
+
+def _lines(ax, color):
+    from matplotlib.colors import to_hex  # pylint: disable=import-outside-toplevel
+
+    return [line for line in ax.get_lines() if color in (to_hex(line.get_color()), to_hex(line.get_markeredgecolor()))]
+
+
+def test_pareto_figure_steps_through_the_measured_frontier_and_the_predicted_one(run, monkeypatch, tmp_path):
+    from autopolicy.report._end_to_end import measured_frontier  # pylint: disable=import-outside-toplevel
+
+    assert [(p["name"], p["measured_ms"], p["metric"]) for p in measured_frontier(run)] == [
+        (name, pytest.approx(ms), metric) for name, metric, ms, _, _ in MEASURED_FRONTIER]
+    ax = _drawn(monkeypatch, report.pareto_frontier, run, tmp_path)
+    step, rings = _lines(ax, "#1b7f3b")  # the measured frontier: a step line, then its rings
+    assert list(step.get_xdata()[:3]) == pytest.approx([2.0, 2.5, 4.0])
+    assert list(step.get_ydata()[:3]) == pytest.approx([0.894, 0.895, 0.9])
+    assert list(rings.get_xdata()) == pytest.approx([2.0, 2.5, 4.0])
+    predicted = _lines(ax, "#7f7f7f")[0]  # the solver's frontier: predicted rows only
+    assert list(predicted.get_xdata()[:3]) == pytest.approx([1.45, 2.2, 3.2])
+    assert predicted.get_linestyle() == "--"
+    labels = {t.get_text() for t in ax.texts}
+    assert {"map round 1", "mixed_bfloat16", "float32"} <= labels
+
+
+def test_pareto_figure_of_an_old_run_derives_the_measured_frontier_from_its_summary(tmp_path, monkeypatch):
+    from autopolicy.report._end_to_end import measured_frontier  # pylint: disable=import-outside-toplevel
+
+    old = report.read_run(write_run(tmp_path / "run", old=True))
+    assert [p["name"] for p in measured_frontier(old)] == [name for name, *_ in MEASURED_FRONTIER]
+    ax = _drawn(monkeypatch, report.pareto_frontier, old, tmp_path)
+    assert len(_lines(ax, "#7f7f7f")[0].get_xdata()) == len(PREDICTED_FRONTIER) + 1  # held to the right edge
+
+
+def test_latency_check_shows_predicted_open_and_calibrated_filled_against_measured(run, monkeypatch, tmp_path):
+    ax = _drawn(monkeypatch, report.latency_check, run, tmp_path)
+    open_markers = [line for line in ax.get_lines() if line.get_markerfacecolor() == "white"]
+    points = sorted((line.get_xdata()[0], line.get_ydata()[0]) for line in open_markers)
+    assert [v for point in points for v in point] == pytest.approx([1.5, 2.0, 1.8, 2.5, 3.2, 4.0, 3.42, 3.0])
+    calibrated = sorted(t.xy for t in ax.texts if t.get_text() in ("float32", "mixed_bfloat16", "map round 1"))
+    assert [v for point in calibrated for v in point] == pytest.approx([2.1, 2.0, 2.6, 2.5, 3.8, 4.0])
+    note = next(t.get_text() for t in ax.texts if t.get_text().startswith("median |error|"))
+    assert note == "median |error| vs measured:\npredicted 22.5%, calibrated 4.5%"
+
+
 def test_to_markdown_aligns_numbers_escapes_pipes_and_dashes_missing_values():
     frame = pd.DataFrame({"name": ["a|b", "c"], "ms": [1.23456, float("nan")], "ok": [True, False],
                           "bytes": [1050624, 3]})

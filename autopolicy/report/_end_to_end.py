@@ -1,7 +1,7 @@
-"""The end-to-end figures of a report: the Pareto frontier and predicted vs measured latency.
+"""The end-to-end Pareto figure of a report, and what the end-to-end figures share.
 
-Both plot the configurations the run timed as whole models: every uniform policy and every
-verified map (round), with the chosen one as a star.
+The figures plot the configurations the run timed as whole models: every uniform policy and
+every verified map (round), with the chosen one as a star.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from matplotlib.lines import Line2D
 
 from autopolicy.report import _plot
 
-__all__ = ["pareto_frontier", "latency_check", "configurations"]
+__all__ = ["pareto_frontier", "configurations", "measured_frontier"]
 
 _STAR = {"marker": "*", "markersize": 19, "color": "#ffd21f", "markeredgecolor": "black",
          "markeredgewidth": 0.9, "linestyle": "none", "zorder": 6}
@@ -37,15 +37,17 @@ def configurations(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The uniform policies and verified maps of a summary, with latencies in ms (NaN if unknown).
 
     Each item has ``name`` (as ``summary["chosen"]["name"]`` spells it), ``label``, ``kind``
-    ("uniform" or "map"), ``policy`` (uniforms only), ``predicted_ms``, ``measured_ms``,
-    ``cv``, ``metric`` (NaN when not evaluated) and ``chosen``.
+    ("uniform" or "map"), ``policy`` (uniforms only), ``predicted_ms``, ``calibrated_ms`` (NaN
+    in a run without a latency model), ``measured_ms``, ``cv``, ``metric`` (NaN when not
+    evaluated) and ``chosen``.
     """
     chosen = summary["chosen"].get("name")
     items = [("uniform", f"uniform {p}", p, p, e) for p, e in summary["uniform"].items()]
     items += [("map", f"map (round {e.get('round')})", None, f"map round {e.get('round')}", e)
               for e in summary.get("maps") or []]
     return [{"name": name, "label": label, "kind": kind, "policy": policy,
-             "predicted_ms": _ms(e.get("predicted_latency_s")), "measured_ms": _ms(e.get("measured_latency_s")),
+             "predicted_ms": _ms(e.get("predicted_latency_s")), "calibrated_ms": _ms(e.get("calibrated_latency_s")),
+             "measured_ms": _ms(e.get("measured_latency_s")),
              "cv": _number(e.get("measured_latency_cv")), "metric": _number(e.get("metric")),
              "chosen": name == chosen} for kind, name, policy, label, e in items]
 
@@ -69,18 +71,81 @@ def _metric_limits(budget: dict[str, Any], metrics: list[float]) -> tuple[float,
     return bottom - 0.1 * pad, top + 0.25 * pad  # room above the best points for their labels
 
 
-def _frontier_line(ax, frontier: pd.DataFrame, right: float) -> list:
-    """The frontier as a step line: the best predicted metric at each latency, held to ``right``."""
-    if frontier.empty:
-        return []
-    ordered = frontier.sort_values("predicted_latency_s")
-    x = ordered["predicted_latency_s"].to_numpy(dtype=float) * 1e3
-    y = ordered["predicted_metric"].to_numpy(dtype=float)
-    ax.step(np.append(x, max(right, x[-1])), np.append(y, y[-1]), where="post", color="#7f7f7f", linewidth=1.6,
-            zorder=2)
-    ax.plot(x, y, linestyle="none", color="#7f7f7f", marker="o", markersize=3.5, zorder=2)
-    return [Line2D([], [], color="#7f7f7f", marker="o", markersize=3.5,
-                   label="predicted frontier (sum of layer latencies)")]
+_PREDICTED = "#7f7f7f"
+_MEASURED = "#1b7f3b"
+
+
+def _step(ax, x: np.ndarray, y: np.ndarray, right: float, **style) -> None:
+    """A frontier as a step line: the best metric at each latency, held to ``right``."""
+    order = np.argsort(x, kind="stable")
+    x, y = x[order], y[order]
+    ax.step(np.append(x, max(right, x[-1])), np.append(y, y[-1]), where="post", **style)
+
+
+def _predicted_rows(frontier: pd.DataFrame) -> pd.DataFrame:
+    """The solver's frontier: the rows marked "predicted" (every row of an older run)."""
+    if "source" in frontier.columns:
+        frontier = frontier[frontier["source"] == "predicted"]
+    keep = np.isfinite(frontier["predicted_latency_s"].to_numpy(dtype=float)) & np.isfinite(
+        frontier["predicted_metric"].to_numpy(dtype=float))
+    return frontier[keep]
+
+
+def measured_frontier(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The measured Pareto frontier, fastest first: ``{"name", "measured_ms", "metric"}`` per
+    configuration timed and scored end to end that no other beats on both.
+
+    From ``frontier.csv``'s "measured" rows; an older run without them gets the same rule
+    applied to its summary's configurations.
+    """
+    frontier = run["frontier"]
+    if "source" in frontier.columns and {"name", "metric", "measured_latency_s"} <= set(frontier.columns):
+        rows = frontier[frontier["source"] == "measured"]
+        points = [{"name": str(n), "measured_ms": _ms(_number(t)), "metric": _number(m)}
+                  for n, m, t in zip(rows["name"], rows["metric"], rows["measured_latency_s"])]
+        return sorted((p for p in points if math.isfinite(p["measured_ms"]) and math.isfinite(p["metric"])),
+                      key=lambda p: p["measured_ms"])
+    scored = sorted((c for c in configurations(run["summary"])
+                     if math.isfinite(c["measured_ms"]) and math.isfinite(c["metric"])),
+                    key=lambda c: (c["measured_ms"], -c["metric"]))
+    out, best = [], -math.inf
+    for c in scored:
+        if c["metric"] > best:
+            out.append({"name": c["name"], "measured_ms": c["measured_ms"], "metric": c["metric"]})
+            best = c["metric"]
+    return out
+
+
+def _frontier_lines(ax, run: dict[str, Any], configs: list[dict], right: float) -> tuple[list, list]:
+    """The predicted frontier (grey, when the run has one) and the measured frontier (green, its
+    points ringed; a point no configuration marks gets its own marker). Returns the legend
+    handles and the labels of points that are not configurations."""
+    handles, labels = [], []
+    predicted = _predicted_rows(run["frontier"])
+    if not predicted.empty:
+        x = predicted["predicted_latency_s"].to_numpy(dtype=float) * 1e3
+        y = predicted["predicted_metric"].to_numpy(dtype=float)
+        # Dashed and above the measured line, so it stays visible where the two coincide.
+        _step(ax, x, y, right, color=_PREDICTED, linewidth=1.3, linestyle="--", zorder=3)
+        ax.plot(x, y, linestyle="none", color=_PREDICTED, marker="o", markersize=3.5, zorder=3)
+        handles.append(Line2D([], [], color=_PREDICTED, marker="o", markersize=3.5, linestyle="--",
+                              label="predicted frontier (solver: sum of isolated layer latencies)"))
+    measured = measured_frontier(run)
+    if measured:
+        x = np.array([p["measured_ms"] for p in measured])
+        y = np.array([p["metric"] for p in measured])
+        _step(ax, x, y, right, color=_MEASURED, linewidth=2.2, zorder=2)
+        ax.plot(x, y, linestyle="none", marker="o", markersize=15, markerfacecolor="none",
+                markeredgecolor=_MEASURED, markeredgewidth=1.8, zorder=7)
+        known = {c["name"] for c in configs}
+        for p in measured:
+            if p["name"] not in known:
+                ax.plot([p["measured_ms"]], [p["metric"]], marker="o", markersize=6, color=_MEASURED, zorder=5)
+                labels.append((p["measured_ms"], p["metric"], p["name"]))
+        handles.append(Line2D([], [], color=_MEASURED, linewidth=2.2, marker="o", markersize=11,
+                              markerfacecolor="none", markeredgewidth=1.8,
+                              label="measured frontier (timed end to end; ringed)"))
+    return handles, labels
 
 
 def _budget_lines(ax, budget: dict[str, Any]) -> list:
@@ -142,9 +207,11 @@ def _legend_markers(configs: list[dict], uniform: str) -> list:
 
 
 def pareto_frontier(run: dict[str, Any], path: str | os.PathLike) -> str:
-    """End-to-end latency vs metric: the predicted frontier (a step line), the uniform policies
-    (measured latency, verified metric; a dotted line where the metric was never evaluated),
-    the verified maps, the chosen one as a star, and the budget as a horizontal line.
+    """End-to-end latency vs metric: the measured frontier (configurations timed and scored end
+    to end that no other beats, ringed, in every run), the predicted frontier when the run has
+    one (the solver's, a grey step line), the uniform policies (measured latency, verified
+    metric; a dotted line where the metric was never evaluated), the verified maps, the chosen
+    one as a star, and the budget as a horizontal line.
 
     Args:
       run: A loaded run.
@@ -153,78 +220,27 @@ def pareto_frontier(run: dict[str, Any], path: str | os.PathLike) -> str:
     Returns:
       ``path`` as a string.
     """
-    summary, frontier = run["summary"], run["frontier"]
-    configs = configurations(summary)
+    summary, predicted = run["summary"], _predicted_rows(run["frontier"])
+    configs, measured = configurations(summary), measured_frontier(run)
     fig = _plot.new_figure(9.0, 6.0)
     ax = fig.add_subplot()
-    measured = [c["measured_ms"] for c in configs if math.isfinite(c["measured_ms"])]
-    handles = _frontier_line(ax, frontier, max(measured, default=0.0))
-    metrics = [c["metric"] for c in configs] + list(frontier["predicted_metric"].to_numpy(dtype=float))
-    bottom, top = _metric_limits(summary["budget"], metrics)
+    xs = [c["measured_ms"] for c in configs] + [p["measured_ms"] for p in measured]
+    xs += list(predicted["predicted_latency_s"].to_numpy(dtype=float) * 1e3)
+    handles, extra_labels = _frontier_lines(ax, run, configs, max((x for x in xs if math.isfinite(x)), default=0.0))
+    metrics = [c["metric"] for c in configs] + [p["metric"] for p in measured]
+    bottom, top = _metric_limits(summary["budget"], metrics + list(predicted["predicted_metric"].to_numpy(dtype=float)))
     handles += _budget_lines(ax, summary["budget"])
-    labels = _plot_points(ax, configs, bottom, top)
+    labels = _plot_points(ax, configs, bottom, top) + extra_labels
     handles += _not_evaluated(ax, configs) + _legend_markers(
         configs, "uniform policy (measured latency, verified metric; colour: policy)")
-    _log_if_wide(ax, "x", [c["measured_ms"] for c in configs] + list(frontier["predicted_latency_s"] * 1e3))
+    _log_if_wide(ax, "x", xs)
     ax.set_ylim(bottom, top)
     ax.set_xlim(*ax.get_xlim())  # freeze the limits before placing labels in screen space
     ax.grid(color="#eeeeee")
-    ax.set_xlabel("end-to-end latency (ms)")
+    ax.set_xlabel("end-to-end latency (ms): measured; predicted for the grey frontier")
     ax.set_ylabel("metric (higher is better)")
     _plot.place_labels(ax, labels, avoid=list(ax.texts))  # clear of the "not evaluated" notes
     fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
-    ax.set_title(f"Latency vs metric: Pareto frontier, uniform policies and the chosen map\n"
+    ax.set_title(f"Latency vs metric: measured and predicted Pareto frontiers, uniform policies, chosen map\n"
                  f"{_plot.device_title(summary)}", fontsize=10)
-    return _plot.save_png(fig, path)
-
-
-def _check_points(ax, configs: list[dict]) -> list[tuple[float, float, str]]:
-    colors, labels = _plot.policy_colors(c["policy"] for c in configs if c["policy"]), []
-    for c in configs:
-        x, y = c["predicted_ms"], c["measured_ms"]
-        if not (math.isfinite(x) and math.isfinite(y)):
-            continue
-        style = dict(_MAP) if c["kind"] == "map" else {"marker": "o", "markersize": 8, "linestyle": "none",
-                                                        "color": colors[c["policy"]], "zorder": 5}
-        spread = [[min(c["cv"] * y, 0.95 * y)], [c["cv"] * y]] if math.isfinite(c["cv"]) else None
-        ax.errorbar([x], [y], yerr=spread, markeredgecolor="black", markeredgewidth=0.6, ecolor="#555555",
-                    elinewidth=0.9, capsize=2.5, **style)
-        if c["chosen"]:
-            ax.plot([x], [y], **_STAR)
-        labels.append((x, y, c["label"]))
-    return labels
-
-
-def latency_check(run: dict[str, Any], path: str | os.PathLike) -> str:
-    """Predicted (sum of layer latencies and casts) vs measured end-to-end latency of each
-    uniform policy and verified map, with a y = x line; whiskers are one coefficient of
-    variation of the measurement.
-
-    Args:
-      run: A loaded run.
-      path: Where to write the PNG.
-
-    Returns:
-      ``path`` as a string.
-    """
-    configs = configurations(run["summary"])
-    values = [v for c in configs for v in (c["predicted_ms"], c["measured_ms"]) if math.isfinite(v) and v > 0]
-    low, high = (min(values) / 1.3, max(values) * 1.3) if values else (0.1, 10.0)
-    fig = _plot.new_figure(7.5, 7.0)
-    ax = fig.add_subplot()
-    ax.plot([low, high], [low, high], color="#7f7f7f", linestyle="--", linewidth=1.2, zorder=1)
-    labels = _check_points(ax, configs)
-    for axis in ("x", "y"):
-        _log_if_wide(ax, axis, [low, high], wide=6.0)  # ratios matter here: log spreads a cluster
-    ax.set_xlim(low, high)
-    ax.set_ylim(low, high)
-    ax.set_aspect("equal", adjustable="box")
-    ax.grid(color="#eeeeee")
-    ax.set_xlabel("predicted latency (ms): sum of measured layer latencies and casts")
-    ax.set_ylabel("measured end-to-end latency (ms; whisker: ±1 CV)")
-    _plot.place_labels(ax, labels)
-    handles = [Line2D([], [], color="#7f7f7f", linestyle="--", label="measured = predicted")]
-    handles += _legend_markers(configs, "uniform policy (colour: policy)")
-    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
-    ax.set_title(f"Predicted vs measured end-to-end latency\n{_plot.device_title(run['summary'])}", fontsize=10)
     return _plot.save_png(fig, path)

@@ -15,8 +15,9 @@ __all__ = ["report_blocks", "FIGURE_CAPTIONS"]
 FIGURE_CAPTIONS = {
     "sensitivity": "Sensitivity: accuracy cost (metric drop) of each layer under each policy",
     "layer_latency": "Layer latency under each policy",
-    "pareto_frontier": "End-to-end latency vs metric: frontier, uniform policies, chosen map, budget",
-    "latency_check": "Predicted vs measured end-to-end latency",
+    "pareto_frontier": "End-to-end latency vs metric: measured and predicted frontiers, uniform policies, chosen "
+                       "map, budget",
+    "latency_check": "Predicted and calibrated vs measured end-to-end latency",
 }
 
 

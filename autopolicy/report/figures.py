@@ -2,8 +2,8 @@
 
 Each function takes a loaded run (the dict :func:`autopolicy.report.read_run` returns) and an
 output path, writes a PNG there (atomically, Agg backend, 150 dpi) and returns the path. The
-end-to-end figures (Pareto frontier, predicted vs measured latency) are written in a private
-module and re-exported here, so this is the one public place for every figure.
+end-to-end figures (Pareto frontier; predicted and calibrated vs measured latency) are written
+in private modules and re-exported here, so this is the one public place for every figure.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from matplotlib import colormaps
 from matplotlib.patches import Patch, Rectangle
 
 from autopolicy.report import _plot
-from autopolicy.report._end_to_end import latency_check, pareto_frontier
+from autopolicy.report._end_to_end import pareto_frontier
+from autopolicy.report._latency_check import latency_check
 from autopolicy.report.tables import pivot
 
 __all__ = ["sensitivity_heatmap", "layer_latency_bars", "pareto_frontier", "latency_check", "FIGURES"]
