@@ -10,6 +10,14 @@ Histories are updated by the gradient: :func:`fp8_einsum`'s backward pass return
 metas as their "gradients" (the overwrite-with-gradient convention of Flax's float8 ops), so a
 training step that differentiates with respect to them gets their new values and overwrites them.
 A forward pass alone (inference) leaves them frozen.
+
+Two kernels run the forward product (:data:`FLOAT8_KERNELS`): ``"emulated"`` rounds both
+operands to the e4m3 grid and multiplies the dequantized values in the compute dtype (any
+device); ``"fp8_dot"`` multiplies the e4m3 operands themselves, accumulating in float32
+(``preferred_element_type``), and rescales the result by the product of the two scales: the
+real float8 product of GPUs with compute capability 8.9 or higher (XLA lowers it to cuBLASLt's
+float8 matrix product there). They agree to float32 rounding, not bit for bit (the emulated
+kernel rounds each dequantized operand; see :func:`fp8_einsum`). The backward pass is the same.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from autopolicy._pytree import pytree_dataclass, replace, set_fields
+from autopolicy.numerics.device import Device, current_device
 
 __all__ = [
     "E4M3",
@@ -30,6 +39,9 @@ __all__ = [
     "Float8Meta",
     "quantize_dequantize",
     "fp8_einsum",
+    "FLOAT8_KERNELS",
+    "float8_kernel_available",
+    "default_float8_kernel",
     "DEFAULT_MARGIN",
     "overwrite_with_gradient",
     "quantize_weights",
@@ -84,19 +96,67 @@ class Float8Meta:
         return replace(self, amax_history=history, scale=jnp.where(ok, new_scale, self.scale))
 
 
+def _quantize(x: jax.Array, scale: jax.Array, fp8_dtype: Any) -> jax.Array:
+    """``x / scale`` saturated to the format's range and cast to it."""
+    fp8_max = float(jnp.finfo(fp8_dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale.astype(jnp.float32), -fp8_max, fp8_max).astype(fp8_dtype)
+
+
+def _dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
+
+
 def quantize_dequantize(x: jax.Array, scale: jax.Array, fp8_dtype: Any) -> jax.Array:
     """Rounds ``x`` to the float8 grid defined by ``scale`` (saturating), in ``x``'s dtype."""
-    fp8_max = float(jnp.finfo(fp8_dtype).max)
-    scale = scale.astype(jnp.float32)
-    q = jnp.clip(x.astype(jnp.float32) / scale, -fp8_max, fp8_max).astype(fp8_dtype)
-    return (q.astype(jnp.float32) * scale).astype(x.dtype)
+    return _dequantize(_quantize(x, scale, fp8_dtype), scale, x.dtype)
+
+
+#: The float8 forward kernels (see the module docstring).
+FLOAT8_KERNELS = ("emulated", "fp8_dot")
+
+
+def _check_kernel(kernel: Any) -> None:
+    if kernel not in FLOAT8_KERNELS:
+        raise ValueError(f"Invalid float8 kernel. Expected one of {FLOAT8_KERNELS} (or None for the "
+                         f"device's default). Received: kernel={kernel!r}")
+
+
+def float8_kernel_available(kernel: str, device: Device) -> bool:
+    """Whether ``kernel`` compiles on ``device`` and is worth timing there.
+
+    ``"fp8_dot"`` runs natively on GPUs of compute capability 8.9 or higher; XLA:CPU runs it
+    too (converting the operands to float32 inside the dot), so there the measurement decides.
+    Elsewhere (older GPUs, TPUs) it is not offered.
+
+    >>> float8_kernel_available("fp8_dot", Device("gpu", compute_capability=(8, 0)))
+    False
+    """
+    _check_kernel(kernel)
+    if kernel == "fp8_dot":
+        return device.platform == "cpu" or device.has_fp8_dot
+    return True
+
+
+def default_float8_kernel(device: Device | None = None) -> str:
+    """``"fp8_dot"`` where the device multiplies float8 natively, else ``"emulated"``.
+
+    Args:
+      device: The device; None means :func:`~autopolicy.numerics.device.current_device`.
+
+    >>> default_float8_kernel(Device("gpu", "NVIDIA H100 80GB HBM3", compute_capability="9.0"))
+    'fp8_dot'
+    >>> default_float8_kernel(Device("gpu", "NVIDIA A100-SXM4-40GB", compute_capability="8.0"))
+    'emulated'
+    """
+    device = current_device() if device is None else device
+    return "fp8_dot" if device.has_fp8_dot else "emulated"
 
 
 def _amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
 def fp8_einsum(
     equation: str,
     x: jax.Array,
@@ -104,23 +164,49 @@ def fp8_einsum(
     x_meta: Float8Meta,
     kernel_meta: Float8Meta,
     grad_meta: Float8Meta,
+    kernel_name: str | None = None,
 ) -> jax.Array:
     """``einsum(equation, x, kernel)`` with both operands rounded to e4m3 by their scales.
 
     The backward pass rounds the output gradient to e5m2 with ``grad_meta``'s scale, and
     returns as the metas' "gradients" their updated values (see the module docstring).
+
+    Args:
+      equation: A two-operand einsum.
+      x: The input; the result has its dtype.
+      kernel: The float weights.
+      x_meta, kernel_meta, grad_meta: The delayed-scaling state of the input, the kernel and the
+        output gradient.
+      kernel_name: The forward kernel, one of :data:`FLOAT8_KERNELS` (a static name), or None
+        for :func:`default_float8_kernel`. ``"fp8_dot"`` differs from ``"emulated"`` by float32
+        rounding (the emulated kernel rounds each dequantized operand to ``x``'s dtype, then
+        multiplies; with a 16-bit ``x`` that rounding is the larger one).
+
+    Raises:
+      ValueError: for an unknown kernel name.
     """
-    return _fp8_fwd(equation, x, kernel, x_meta, kernel_meta, grad_meta)[0]
+    return _fp8_fwd(equation, x, kernel, x_meta, kernel_meta, grad_meta, kernel_name)[0]
 
 
-def _fp8_fwd(equation, x, kernel, x_meta, kernel_meta, grad_meta):
-    xq = quantize_dequantize(x, x_meta.scale, E4M3)
-    kq = quantize_dequantize(kernel, kernel_meta.scale, E4M3)
-    y = jnp.einsum(equation, xq, kq)
+def _fp8_fwd(equation, x, kernel, x_meta, kernel_meta, grad_meta, kernel_name=None):
+    if kernel_name is None:
+        kernel_name = default_float8_kernel()
+    _check_kernel(kernel_name)
+    x8, k8 = _quantize(x, x_meta.scale, E4M3), _quantize(kernel, kernel_meta.scale, E4M3)
+    # The dequantized operands are the backward pass's residuals for both kernels (so both have
+    # the same gradient); a forward pass alone drops them.
+    xq, kq = _dequantize(x8, x_meta.scale, x.dtype), _dequantize(k8, kernel_meta.scale, kernel.dtype)
+    if kernel_name == "fp8_dot":
+        acc = jnp.einsum(equation, x8, k8, preferred_element_type=jnp.float32)
+        scale = x_meta.scale.astype(jnp.float32) * kernel_meta.scale.astype(jnp.float32)
+        y = (acc * scale).astype(x.dtype)
+    else:
+        y = jnp.einsum(equation, xq, kq)
     return y, (xq, kq, _amax(x), _amax(kernel), x_meta, kernel_meta, grad_meta)
 
 
-def _fp8_bwd(equation, residuals, g):
+def _fp8_bwd(equation, kernel_name, residuals, g):
+    del kernel_name
     xq, kq, x_amax, k_amax, x_meta, kernel_meta, grad_meta = residuals
     gq = quantize_dequantize(g, grad_meta.scale, E5M2)
     _, vjp = jax.vjp(lambda a, b: jnp.einsum(equation, a, b), xq, kq)
@@ -178,10 +264,12 @@ def quantize_weights(kernel: jax.Array, contract_axes: Any, op: str, policy: Any
     }
 
 
-def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, compute_dtype: Any) -> jax.Array:
+def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, compute_dtype: Any,
+                  kernel: str | None = None) -> jax.Array:
+    """The mode's einsum op; ``kernel`` names the float8 kernel (None: the device's default)."""
     del layout, compute_dtype  # the product runs in x's dtype, which is the compute dtype
     meta = weights["fp8"]
-    return fp8_einsum(equation, x, weights["kernel"], meta["input"], meta["kernel"], meta["output_grad"])
+    return fp8_einsum(equation, x, weights["kernel"], meta["input"], meta["kernel"], meta["output_grad"], kernel)
 
 
 def retune(state: dict, policy: Any) -> dict:

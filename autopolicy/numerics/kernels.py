@@ -1,0 +1,220 @@
+"""Kernels as tactics: the interchangeable ways to run one quantization mode's product.
+
+Where a mode can multiply in more than one way (int8: XLA's s8 x s8 -> s32 dot, or the
+u8 x s8 -> s32 dot of x86 VNNI/AMX), each way is a :class:`KernelSpec`: a name, the mode's op
+functions with that kernel bound, and a predicate saying on which :class:`~autopolicy.numerics.
+device.Device` it is worth timing. Which one a layer uses is decided by timing the candidates at
+the layer's real shape on the target (like TensorRT's tactics); without a measurement,
+:func:`default_kernel` applies the device rule of the mode:
+
+- int8: ``"u8s8"`` on CPUs with avx512_vnni, avx_vnni or amx_int8; ``"s8s8"`` on every other
+  CPU (XLA's u8 x s8 dot is several times slower there) and on GPUs and TPUs.
+- float8: ``"fp8_dot"`` (a real float8 product: e4m3 operands, float32 accumulation, then the
+  scales) on GPUs of compute capability 8.9 or higher; ``"emulated"`` (quantize-dequantize, then
+  a product in the compute dtype) elsewhere.
+
+Float policies (``bfloat16``, ``float16``, ``mixed_*``) have one kernel: XLA's dot in the
+compute dtype, which uses a GPU's tensor cores directly; they are not listed here.
+
+The int8 kernels are exact: the same int32 accumulators, the same outputs bit for bit. The
+float8 kernels agree to float32 rounding (``exact=False`` on ``"fp8_dot"``; the tolerance is
+stated in its ``summary``).
+
+Every op function has the mode's op signature (:mod:`autopolicy.numerics.modes`); the low-level
+functions take the kernel's name as ``kernel=`` (``int8.int8_einsum``, ``int8.int8_dense``,
+``int8.int8_conv``) or ``kernel_name=`` (``float8.fp8_einsum``, whose ``kernel`` is the weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+from autopolicy.numerics import float8, int8
+from autopolicy.numerics.device import Device, current_device
+
+__all__ = [
+    "KernelSpec",
+    "MODE_KERNELS",
+    "INT8_KERNEL_SPECS",
+    "FLOAT8_KERNEL_SPECS",
+    "kernel_specs",
+    "kernel_spec",
+    "candidate_kernels",
+    "default_kernel",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One kernel (tactic) of a quantization mode.
+
+    Attributes:
+      mode: The quantization mode (``"int8"``).
+      name: The kernel's name, unique within the mode (``"u8s8"``); the value of the low-level
+        functions' ``kernel=`` argument and of a ``kernel`` column in profiles and reports.
+      ops: ``(op, fn)`` pairs: each op it runs, with the mode's op signature and this kernel
+        bound (``fn(equation, x, weights, layout, compute_dtype)`` for ``"einsum"``).
+      available: ``available(device) -> bool``: whether it is worth timing on ``device``.
+      exact: Whether its outputs equal the mode's other exact kernels bit for bit.
+      summary: One line on what it does (and, when not exact, how close it is).
+    """
+
+    mode: str
+    name: str
+    ops: tuple[tuple[str, Callable[..., Any]], ...]
+    available: Callable[[Device], bool]
+    exact: bool
+    summary: str
+
+    @property
+    def op_names(self) -> tuple[str, ...]:
+        return tuple(op for op, _ in self.ops)
+
+    def fn(self, op: str) -> Callable[..., Any]:
+        """The function that runs ``op`` with this kernel.
+
+        Raises:
+          ValueError: if the kernel does not run ``op``.
+
+        >>> kernel_spec("int8", "u8s8").fn("conv2d")
+        Traceback (most recent call last):
+        ...
+        ValueError: The int8 kernel 'u8s8' has no 'conv2d' op: it runs ('einsum',).
+        """
+        for name, fn in self.ops:
+            if name == op:
+                return fn
+        raise ValueError(f"The {self.mode} kernel {self.name!r} has no {op!r} op: it runs {self.op_names}.")
+
+
+def _bind(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    bound = functools.partial(fn, kernel=name)
+    functools.update_wrapper(bound, fn)
+    return bound
+
+
+INT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
+    KernelSpec(
+        mode="int8",
+        name="s8s8",
+        ops=(("einsum", _bind(int8.einsum_kernel, "s8s8")), ("conv2d", _bind(int8.conv2d_kernel, "s8s8"))),
+        available=functools.partial(int8.int8_kernel_available, "s8s8"),
+        exact=True,
+        summary="XLA's s8 x s8 -> s32 dot (preferred_element_type=int32)",
+    ),
+    KernelSpec(
+        mode="int8",
+        name="u8s8",
+        ops=(("einsum", _bind(int8.einsum_kernel, "u8s8")),),
+        available=functools.partial(int8.int8_kernel_available, "u8s8"),
+        exact=True,
+        summary="inputs shifted by +128 into uint8, XLA:CPU's u8 x s8 -> s32 dot (VNNI/AMX), minus "
+                "128 x the stored column sums",
+    ),
+)
+
+FLOAT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
+    KernelSpec(
+        mode="float8",
+        name="emulated",
+        ops=(("einsum", _bind(float8.einsum_kernel, "emulated")),),
+        available=functools.partial(float8.float8_kernel_available, "emulated"),
+        exact=True,
+        summary="operands rounded to e4m3 and dequantized, then a product in the compute dtype",
+    ),
+    KernelSpec(
+        mode="float8",
+        name="fp8_dot",
+        ops=(("einsum", _bind(float8.einsum_kernel, "fp8_dot")),),
+        available=functools.partial(float8.float8_kernel_available, "fp8_dot"),
+        exact=False,
+        summary="e4m3 x e4m3 -> float32 dot, times both scales; within 1e-6 (float32 compute) and "
+                "2e-3 (bfloat16) relative of the exact product, 'emulated' within 1e-6 and 1e-2",
+    ),
+)
+
+#: ``(mode, kernels)`` for every mode with more than one kernel; modes not listed (int4) have
+#: one kernel, their mode's own.
+MODE_KERNELS: tuple[tuple[str, tuple[KernelSpec, ...]], ...] = (
+    ("int8", INT8_KERNEL_SPECS),
+    ("float8", FLOAT8_KERNEL_SPECS),
+)
+
+_DEFAULTS: dict[str, Callable[[Device], str]] = {
+    "int8": int8.default_int8_kernel,
+    "float8": float8.default_float8_kernel,
+}
+
+
+def kernel_specs(mode: str) -> tuple[KernelSpec, ...]:
+    """The kernels of ``mode``; ``()`` for a mode without a choice of kernels.
+
+    >>> [spec.name for spec in kernel_specs("int8")]
+    ['s8s8', 'u8s8']
+    >>> kernel_specs("int4")
+    ()
+    """
+    return dict(MODE_KERNELS).get(mode, ())
+
+
+def kernel_spec(mode: str, name: str) -> KernelSpec:
+    """The kernel ``name`` of ``mode``.
+
+    Raises:
+      ValueError: naming the mode's kernels when it has none called ``name``.
+
+    >>> kernel_spec("float8", "fp8_dot").exact
+    False
+    >>> kernel_spec("int8", "vnni")
+    Traceback (most recent call last):
+    ...
+    ValueError: Invalid int8 kernel. Expected one of ('s8s8', 'u8s8'). Received: kernel='vnni'
+    """
+    specs = kernel_specs(mode)
+    for spec in specs:
+        if spec.name == name:
+            return spec
+    if not specs:
+        raise ValueError(f"Quantization mode {mode!r} has no choice of kernels; modes with kernels: "
+                         f"{tuple(m for m, _ in MODE_KERNELS)}. Received: kernel={name!r}")
+    raise ValueError(f"Invalid {mode} kernel. Expected one of {tuple(s.name for s in specs)}. Received: kernel={name!r}")
+
+
+def candidate_kernels(mode: str, op: str = "einsum", device: Device | None = None) -> tuple[str, ...]:
+    """The names of ``mode``'s kernels that run ``op`` and are worth timing on ``device`` (the
+    tactics a search measures), default first.
+
+    Args:
+      mode: A quantization mode.
+      op: An op of :mod:`autopolicy.numerics.modes` (``"einsum"``, ``"conv2d"``).
+      device: None means :func:`~autopolicy.numerics.device.current_device`.
+
+    >>> candidate_kernels("int8", device=Device("gpu", compute_capability="9.0"))
+    ('s8s8',)
+    >>> candidate_kernels("float8", device=Device("gpu", compute_capability="9.0"))
+    ('fp8_dot', 'emulated')
+    """
+    device = current_device() if device is None else device
+    names = tuple(s.name for s in kernel_specs(mode) if op in s.op_names and s.available(device))
+    default = default_kernel(mode, op, device)
+    return tuple(sorted(names, key=lambda n: n != default))
+
+
+def default_kernel(mode: str, op: str = "einsum", device: Device | None = None) -> str | None:
+    """The kernel ``mode`` uses for ``op`` on ``device`` without a measurement (see the module
+    docstring for the rules); None for a mode or op without a choice of kernels.
+
+    >>> default_kernel("int8", device=Device("cpu", cpu_features=("avx2", "fma")))
+    's8s8'
+    >>> default_kernel("float8", device=Device("gpu", compute_capability="8.0"))
+    'emulated'
+    """
+    if mode not in _DEFAULTS:
+        return None
+    device = current_device() if device is None else device
+    name = _DEFAULTS[mode](device)
+    if op not in kernel_spec(mode, name).op_names:  # int8 conv2d: only s8s8; gather: none
+        name = next((s.name for s in kernel_specs(mode) if op in s.op_names), None)
+    return name
