@@ -37,7 +37,7 @@ def _profile(chosen: dict, old: bool = False) -> pd.DataFrame:
     index = {name: i for i, name in enumerate(dict.fromkeys(row[0] for row in LAYERS))}
     rows = [{"index": index[layer], "layer": layer, "class": cls, "input_shape": "8x4",
              "chained": index[layer] > 0, "policy": policy, "compute_dtype": policies.get(policy).compute_dtype,
-             **({} if old else {"kernel": "int8 x int8 -> int32" if policy.startswith("int8") else ""}),
+             **({} if old else {"kernel": "s8s8" if policy.startswith("int8") else ""}),
              "latency_s": ms / 1e3,
              "latency_p25_s": 0.9 * ms / 1e3, "latency_p75_s": 1.1 * ms / 1e3, "latency_cv": 0.05, "repeats": 5,
              "inner": 2, "nbytes": nbytes, "finite_output": not status.startswith("disqualified"),
@@ -224,6 +224,7 @@ def test_layer_table_has_the_expected_values(run):
     assert list(table.index) == ["net/dense", "net/norm", "net/dense_1"]
     assert list(table["class"]) == ["Dense", "LayerNormalization", "Dense"]
     assert list(table["chosen"]) == ["int8_from_float32", "float32", "mixed_bfloat16"]
+    assert list(table["kernel"]) == ["s8s8", "", ""]  # the kernel of the chosen policy, where named
     dense = table.loc["net/dense"]
     assert dense["float32 (ms)"] == pytest.approx(1.0)
     assert dense["int8_from_float32 (ms)"] == pytest.approx(0.25)
@@ -334,8 +335,9 @@ def test_an_old_run_directory_without_the_new_keys_still_renders(tmp_path):
     assert "Fitted scales: — (not recorded by this run)." in md
     assert "- **Median |error|:** predicted 22.5%, calibrated —" in md
     assert "Warning" not in md
-    table = report.latency_model_table(report.read_run(run_dir))
-    assert table["calibrated (ms)"].isna().all()
+    old_run = report.read_run(run_dir)
+    assert report.latency_model_table(old_run)["calibrated (ms)"].isna().all()
+    assert "kernel" not in report.layer_table(old_run).columns
     for name in FIGURE_NAMES:
         with open(paths[name], "rb") as f:
             assert f.read(8) == PNG_MAGIC, name

@@ -117,7 +117,8 @@ def latency_model(run: dict[str, Any]) -> list[Block]:
     summary = run["summary"]
     model = summary.get("latency_model") if isinstance(summary.get("latency_model"), dict) else None
     table, scales = tables.latency_model_table(run), tables.latency_scales_table(run)
-    predicted, calibrated = median_abs_error(table, "predicted error (%)"), median_abs_error(table, "calibrated error (%)")
+    predicted = median_abs_error(table, "predicted error (%)")
+    calibrated = median_abs_error(table, "calibrated error (%)")
     fitted_on = model.get("fitted_on") if model else None
     blocks: list[Block] = [
         Heading("Latency model"),

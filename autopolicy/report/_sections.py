@@ -142,7 +142,8 @@ def _tables(run: dict[str, Any]) -> list[Block]:
         *_evidence.latency_model(run),
         Heading("Per-layer measurements"),
         Paragraph("Latency in ms (median) under each policy; cost: the metric drop with only that layer "
-                  "changed (— where it was not measured); bytes: the layer's weights."),
+                  "changed (— where it was not measured); bytes: the layer's weights; kernel (where named): "
+                  "the kernel the chosen policy runs, where its mode has several."),
         Table(tables.layer_table(run)),
     ]
 

@@ -68,6 +68,17 @@ def _notes(statuses: pd.Series, chosen: str) -> str:
     return "; ".join(notes)
 
 
+def _chosen_kernels(run: dict[str, Any], chosen: pd.Series) -> list[str] | None:
+    """The kernel each layer's chosen policy runs ("" where none is named), or None when the
+    profile names no kernel at all (older runs have no such column)."""
+    if "kernel" not in run["profile"].columns:
+        return None
+    kernel = pivot(run, "kernel")
+    names = [kernel.at[layer, policy] if policy in kernel.columns else None for layer, policy in chosen.items()]
+    names = [n if isinstance(n, str) else "" for n in names]
+    return names if any(names) else None
+
+
 def layer_table(run: dict[str, Any]) -> pd.DataFrame:
     """One row per profiled layer: its class, chosen policy, latency (ms) and accuracy cost under
     each policy, weight bytes in float32 and as chosen, and notes on skipped policies.
@@ -76,8 +87,9 @@ def layer_table(run: dict[str, Any]) -> pd.DataFrame:
       run: A loaded run.
 
     Returns:
-      Columns ``layer, class, chosen, "<policy> (ms)"..., "<policy> (cost)"..., float32 bytes,
-      chosen bytes, notes``; NaN where a layer has no such policy or its cost was not measured.
+      Columns ``layer, class, chosen, [kernel,] "<policy> (ms)"..., "<policy> (cost)"..., float32
+      bytes, chosen bytes, notes``; NaN where a layer has no such policy or its cost was not
+      measured. ``kernel`` (the kernel the chosen policy runs) appears when the profile names one.
     """
     layers, policies, chosen = layer_order(run), policy_order(run), _chosen(run)
     latency, cost, nbytes = pivot(run, "latency_s") * 1e3, pivot(run, "accuracy_cost"), pivot(run, "nbytes")
@@ -86,6 +98,9 @@ def layer_table(run: dict[str, Any]) -> pd.DataFrame:
     table = pd.DataFrame({"layer": layers})
     table["class"] = classes["class"].to_numpy() if "class" in classes.columns else ""
     table["chosen"] = chosen.to_numpy()
+    kernels = _chosen_kernels(run, chosen)
+    if kernels is not None:
+        table["kernel"] = kernels
     for policy in policies:
         table[f"{policy} (ms)"] = latency[policy].to_numpy()
     for policy in policies:
