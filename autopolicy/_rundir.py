@@ -74,11 +74,10 @@ def remedy(error: OSError) -> str:
 
 
 def _failure(error: OSError, message: str) -> OSError:
-    """``error``'s kind (PermissionError, ...) with ``message`` and a remedy; keeps its errno."""
+    """``error``'s kind (PermissionError, ...) with ``message`` and a remedy (``error`` becomes its
+    cause: setting errno here would make ``str()`` drop the message)."""
     advice = remedy(error)
-    new = type(error)(f"{message}: {advice}" if advice else message)
-    new.errno, new.strerror = error.errno, error.strerror
-    return new
+    return type(error)(f"{message}: {advice}" if advice else message)
 
 
 def check_directory(path: Any, what: str = "run directory") -> str:

@@ -1,18 +1,36 @@
 """The ``autopolicy`` command line: tune, report, export, show, profile, list, apply.
 
-Every bad argument gets one clear line on stderr and exit status 2; ``--debug`` shows tracebacks.
+Each command is one function ``_name(args) -> int``; :func:`main` turns every failure into one
+line on stderr and a documented exit status (``EXIT_STATUSES``), never a traceback unless
+``--debug`` is given. Outputs (run directories, files) are checked before any work starts, and a
+run directory is locked for the whole run.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
+import pathlib
 import re
 import sys
-from typing import Any, Sequence
+import warnings
+import zipfile
+from typing import Any, Iterator, Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "EXIT_STATUSES"]
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+#: Every exit status of the command line and what it means (also shown by ``autopolicy --help``).
+EXIT_STATUSES = {
+    EXIT_OK: "success",
+    EXIT_INTERNAL: "an unexpected internal error (a bug): rerun with --debug and report the traceback",
+    EXIT_USAGE: "bad usage or input: an argument, a missing or damaged input file, a failing experiment",
+    EXIT_ENVIRONMENT: "the environment: file system (permissions, full disk, a path that is a file), "
+                      "run directory in use, memory",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C): run the same command again to resume",
+}
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -33,6 +51,8 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a fraction (like 0.01) or a percentage (like 1%)")
     value = float(match.group(1)) / (100.0 if match.group(2) else 1.0)
+    if match.group(2) and value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is over 100%: a relative drop is at most the whole metric")
     return value
 
 
@@ -42,7 +62,10 @@ def _size(text: str) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size (like 10MB, 512KiB or 1000000); units: {sorted(_SIZE_UNITS)}")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0")
+    return size
 
 
 def _candidates(text: str) -> list[str]:
@@ -59,25 +82,36 @@ def _candidates(text: str) -> list[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
+def _repeats(text: str) -> int:
+    from autopolicy.search._checks import MAX_REPEATS  # pylint: disable=import-outside-toplevel
+
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 3:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 3")
+    if not 3 <= value <= MAX_REPEATS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer in [3, {MAX_REPEATS}]")
     return value
+
+
+def _epilog() -> str:
+    lines = [f"  {status:<4} {meaning}" for status, meaning in EXIT_STATUSES.items()]
+    return "exit statuses:\n" + "\n".join(lines) + "\nerrors are one line on stderr; --debug shows the traceback."
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="autopolicy", description=(
         "Find the fastest per-layer dtype policies (float32, bfloat16/float16, int8, float8) that keep "
-        "a model's accuracy within budget on this machine, and report and export them."))
+        "a model's accuracy within budget on this machine, and report and export them."),
+        epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    common = argparse.ArgumentParser(add_help=False)  # `autopolicy tune ... --debug` works too
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
+    add = lambda name, **kw: sub.add_parser(name, parents=[common], **kw)  # noqa: E731
 
-    tune = sub.add_parser("tune", help="tune an experiment end to end and write a run directory and report")
+    tune = add("tune", help="tune an experiment end to end and write a run directory and report")
     tune.add_argument("experiment", nargs="?", default="digits_mlp",
                       help="a built-in experiment (see `autopolicy list`), a .py file, or a .keras model with "
                            "--eval and --sample (default: digits_mlp)")
@@ -94,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated policies (default: the experiment's, else "
                            "autopolicy.search.DEFAULT_CANDIDATES)")
     tune.add_argument("--memory-budget", type=_size, default=None, help="cap on weight bytes, e.g. 10MB")
-    tune.add_argument("--out", default=None, help="run directory (default: runs/EXPERIMENT); reruns resume")
-    tune.add_argument("--repeats", type=_positive_int, default=20, help="timing repetitions per layer")
+    tune.add_argument("--out", default=None, help="run directory (default: runs/EXPERIMENT); reruns resume; "
+                                                   "one run at a time (it is locked)")
+    tune.add_argument("--repeats", type=_repeats, default=20, help="timing repetitions per layer")
     tune.add_argument("--profile-accuracy", choices=("auto", "measure", "always"), default="auto",
                       help="if the fastest assignment breaks the budget, auto: estimate per-layer costs from "
                            "layer output errors and verify end to end (measure only if that fails); measure: "
@@ -104,29 +139,29 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--no-report", action="store_true", help="skip writing the report")
     tune.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    report = sub.add_parser("report", help="write report.md and report.html (with figures) for a run")
+    report = add("report", help="write report.md and report.html (with figures) for a run")
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="output directory (default: RUN_DIR)")
 
-    export = sub.add_parser("export", help="export a run's policy map")
+    export = add("export", help="export a run's policy map")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True, help="output file")
     export.add_argument("--format", choices=("json", "table"), default="json",
                         help="json: Keras DTypePolicyMap envelope; table: path and policy per line")
 
-    show = sub.add_parser("show", help="print a policy map file")
+    show = add("show", help="print a policy map file")
     show.add_argument("map_file")
 
-    profile = sub.add_parser("profile", help="time every layer of an experiment under every candidate")
+    profile = add("profile", help="time every layer of an experiment under every candidate")
     profile.add_argument("experiment")
     profile.add_argument("--candidates", type=_candidates, default=None)
-    profile.add_argument("--repeats", type=_positive_int, default=20)
+    profile.add_argument("--repeats", type=_repeats, default=20)
     profile.add_argument("--out", default=None, help="also write the table as CSV")
     profile.add_argument("--no-progress", action="store_true")
 
-    sub.add_parser("list", help="list the built-in experiments")
+    add("list", help="list the built-in experiments")
 
-    apply = sub.add_parser("apply", help="apply a policy map to a .keras model and save the tuned model")
+    apply = add("apply", help="apply a policy map to a .keras model and save the tuned model")
     apply.add_argument("map_file", help="a policy map (JSON, Keras envelope), e.g. RUN_DIR/policy_map.json")
     apply.add_argument("model", help="a .keras model file")
     apply.add_argument("--out", required=True, help="the tuned .keras file to write")
@@ -139,12 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _experiment(name: str) -> Any:
     from autopolicy import experiment  # pylint: disable=import-outside-toplevel
 
-    try:
-        module = experiment.load(name)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    module = experiment.load(name)
     print(f"experiment {name}: {getattr(module, 'DESCRIPTION', '')}", file=sys.stderr)
-    return module.build(experiment.default_cache_dir())
+    return experiment.build(module)
+
+
+def _default_out(experiment: str) -> str:
+    """``runs/NAME`` for a built-in name, a ``.py`` file or a ``.keras`` file."""
+    return os.path.join("runs", pathlib.Path(experiment).stem or experiment)
 
 
 def _tune_experiment(args: argparse.Namespace) -> Any:
@@ -159,15 +196,25 @@ def _tune_experiment(args: argparse.Namespace) -> Any:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    from autopolicy import _rundir  # pylint: disable=import-outside-toplevel
+
+    out = args.out or _default_out(args.experiment)
+    with _rundir.RunLock(out, "--out"):  # checked (creatable, writable, a directory) before any work
+        return _tune_locked(args, out)
+
+
+def _tune_locked(args: argparse.Namespace, out: str) -> int:
     from autopolicy import _cli_keras, search  # pylint: disable=import-outside-toplevel
+    from autopolicy.search import _checks  # pylint: disable=import-outside-toplevel
 
     exp = _tune_experiment(args)
-    out = args.out or os.path.join("runs", exp.name)
     max_drop = exp.max_drop if args.max_drop is None else args.max_drop
+    relative = exp.relative and not args.absolute
+    _checks.check_budget(max_drop, relative)
     result = search.tune(
         exp.model, exp.eval_fn, exp.sample_input,
         candidates=args.candidates or exp.candidates or search.DEFAULT_CANDIDATES, max_drop=max_drop,
-        relative=exp.relative and not args.absolute, memory_budget=args.memory_budget,
+        relative=relative, memory_budget=args.memory_budget,
         cache_dir=os.path.join(out, "cache"), progress=not args.no_progress,
         calibration_inputs=exp.calibration_inputs, test_fn=exp.test_fn, repeats=args.repeats,
         profile_accuracy=args.profile_accuracy,
@@ -184,7 +231,7 @@ def _tune(args: argparse.Namespace) -> int:
 
         written = report.write_report(out)
         print(f"report: {written.get('markdown', os.path.join(out, 'report.md'))}")
-    return 0
+    return EXIT_OK
 
 
 def _print_summary(s: dict, out: str) -> None:
@@ -196,18 +243,22 @@ def _print_summary(s: dict, out: str) -> None:
           f"({s['best_uniform']})")
     for path, policy in chosen["policies"].items():
         print(f"  {path}: {policy}")
+    cache = s.get("cache") or {}
+    if cache:
+        print(f"measurements: {cache.get('hits', 0)} reused from the cache, {cache.get('misses', 0)} new")
     print(f"run directory: {out}")
 
 
 def _report(args: argparse.Namespace) -> int:
-    from autopolicy import report  # pylint: disable=import-outside-toplevel
+    from autopolicy import _rundir, report  # pylint: disable=import-outside-toplevel
 
     if not os.path.isdir(args.run_dir):
         raise UsageError(f"no run directory at {args.run_dir!r}")
-    written = report.write_report(args.run_dir, args.out)
+    with _rundir.RunLock(args.out or args.run_dir, "--out" if args.out else "RUN_DIR"):
+        written = report.write_report(args.run_dir, args.out)
     for kind, path in written.items():
         print(f"{kind}: {path}")
-    return 0
+    return EXIT_OK
 
 
 def _map_rows(policy_map: Any) -> list[tuple[str, str]]:
@@ -217,12 +268,13 @@ def _map_rows(policy_map: Any) -> list[tuple[str, str]]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from autopolicy import _atomic, policies  # pylint: disable=import-outside-toplevel
+    from autopolicy import _atomic, _rundir, policies  # pylint: disable=import-outside-toplevel
     from autopolicy.search.result import MAP_FILE  # pylint: disable=import-outside-toplevel
 
     source = os.path.join(args.run_dir, MAP_FILE)
     if not os.path.isfile(source):
         raise UsageError(f"no policy map in {args.run_dir!r} (expected {source!r}); run `autopolicy tune` first")
+    _rundir.check_output_file(args.out)
     policy_map = policies.load_policy_map(source)
     if args.format == "json":
         policies.save_policy_map(policy_map, args.out)
@@ -231,7 +283,7 @@ def _export(args: argparse.Namespace) -> int:
         width = max(len(p) for p, _ in rows)
         _atomic.write_text(args.out, "".join(f"{p.ljust(width)}  {n}\n" for p, n in rows))
     print(f"wrote {args.out}")
-    return 0
+    return EXIT_OK
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -243,12 +295,14 @@ def _show(args: argparse.Namespace) -> int:
     width = max(len(p) for p, _ in rows)
     for path, name in rows:
         print(f"{path.ljust(width)}  {name}")
-    return 0
+    return EXIT_OK
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from autopolicy import _atomic, search  # pylint: disable=import-outside-toplevel
+    from autopolicy import _atomic, _rundir, search  # pylint: disable=import-outside-toplevel
 
+    if args.out:
+        _rundir.check_output_file(args.out)
     exp = _experiment(args.experiment)
     candidates = args.candidates or exp.candidates or search.DEFAULT_CANDIDATES
     table = search.profile(exp.model, exp.sample_input, candidates=candidates,
@@ -260,46 +314,102 @@ def _profile(args: argparse.Namespace) -> int:
     if args.out:
         _atomic.write_text(args.out, table.to_csv(index=False))
         print(f"wrote {args.out}")
-    return 0
+    return EXIT_OK
 
 
 def _list(args: argparse.Namespace) -> int:
     from autopolicy import experiment  # pylint: disable=import-outside-toplevel
 
     for name, path in experiment.available().items():
-        module = experiment.load(name)
-        print(f"{name:18s} {getattr(module, 'DESCRIPTION', path)}")
-    return 0
+        try:
+            description = getattr(experiment.load(name), "DESCRIPTION", path)
+        except ValueError as e:  # one broken file does not hide the others
+            description = f"(cannot be loaded: {_first_line(str(e))})"
+        print(f"{name:18s} {description}")
+    return EXIT_OK
 
 
 def _apply(args: argparse.Namespace) -> int:
-    from autopolicy import _cli_keras  # pylint: disable=import-outside-toplevel
+    from autopolicy import _cli_keras, _rundir  # pylint: disable=import-outside-toplevel
 
+    _rundir.check_output_file(args.out)
     print(_cli_keras.apply_map(args.map_file, args.model, args.out, args.strict, args.sample))
-    return 0
+    return EXIT_OK
 
 
 _COMMANDS = {"tune": _tune, "report": _report, "export": _export, "show": _show, "profile": _profile,
              "list": _list, "apply": _apply}
 
 
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _os_message(error: OSError) -> str:
+    """An OSError as one line: what failed, on which file, and what to do."""
+    from autopolicy import _rundir  # pylint: disable=import-outside-toplevel
+
+    if error.errno is None:  # autopolicy's own message, already naming the path and the remedy
+        return _first_line(str(error))
+    where = f" ({error.filename!r})" if error.filename is not None else ""
+    advice = _rundir.remedy(error)
+    return f"{error.strerror or error}{where}" + (f": {advice}" if advice else "")
+
+
+def _failure(error: BaseException, command: str) -> tuple[int, str]:
+    """The exit status and one-line message for an error that ended a command."""
+    if isinstance(error, UsageError):
+        return EXIT_USAGE, _first_line(str(error))
+    if isinstance(error, FileNotFoundError):  # a missing input
+        return EXIT_USAGE, _os_message(error)
+    if isinstance(error, OSError):
+        message = _os_message(error)
+        if command == "tune" and error.errno is not None:
+            message += "; a rerun resumes from the measurements cached so far"
+        return EXIT_ENVIRONMENT, message
+    if isinstance(error, MemoryError):
+        return EXIT_ENVIRONMENT, "out of memory: close other programs, or tune a smaller model or batch"
+    if isinstance(error, RecursionError):
+        return EXIT_USAGE, "an input nests too deeply (RecursionError): check the files given"
+    if isinstance(error, (ValueError, TypeError)):
+        return EXIT_USAGE, _first_line(str(error))
+    if isinstance(error, (zipfile.BadZipFile, EOFError)):
+        return EXIT_USAGE, f"a file is damaged or truncated ({type(error).__name__}: {_first_line(str(error))})"
+    return EXIT_INTERNAL, (f"internal error: {type(error).__name__}: {_first_line(str(error))} (rerun with --debug "
+                           "for the traceback, and report it)")
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(command: str) -> Iterator[None]:
+    """Warnings shown as ``autopolicy COMMAND: warning: ...`` lines, not with source lines."""
+    original = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *_: (
+        f"autopolicy {command}: warning: {_first_line(str(message))}\n")
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status."""
+    """Runs the command line; returns the exit status (see ``EXIT_STATUSES``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
-    except UsageError as e:
-        print(f"autopolicy {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, TypeError, FileNotFoundError, json.JSONDecodeError) as e:
+        with _warnings_as_lines(args.command):
+            return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
         if args.debug:
             raise
-        print(f"autopolicy {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"autopolicy {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+        print(f"autopolicy {args.command}: interrupted; run the same command again to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # pylint: disable=broad-except
+        if args.debug:
+            raise
+        status, message = _failure(e, args.command)
+        print(f"autopolicy {args.command}: error: {message}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":
