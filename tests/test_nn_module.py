@@ -176,7 +176,8 @@ def test_strict_map_raises_on_keys_matching_no_layer():
     typo = ap.DTypePolicyMap("float32", {"mlp/dnese": "bfloat16", "mlp/dense": "bfloat16"})
     with pytest.raises(ValueError, match="mlp/dnese"):
         model.with_dtype_policy(typo, strict=True)
-    assert model.with_dtype_policy(typo).layers[0].dtype_policy.name == "bfloat16"
+    with pytest.warns(UserWarning, match=r"'mlp/dnese': did you mean \['mlp/dense'"):
+        assert model.with_dtype_policy(typo).layers[0].dtype_policy.name == "bfloat16"
 
 
 def test_with_dtype_policy_casts_stored_variables():

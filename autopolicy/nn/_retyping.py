@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -71,20 +73,17 @@ class Retyping:
 
         Args:
           policy: A policy, name, config dict or ``DTypePolicyMap``.
-          strict: Raise if a key of the map matches no module path (a typo).
+          strict: Raise if a key of the map matches no module path (a typo); otherwise such keys
+            give a ``UserWarning`` naming them and the nearest paths (on a built module).
 
         Raises:
           ValueError: for an invalid policy, or unused keys when ``strict``.
         """
         resolved = policies.get(policy)
         if isinstance(resolved, DTypePolicyMap):
-            if strict:
-                unused = resolved.unused_keys(self.modules().keys())
-                if unused:
-                    raise ValueError(
-                        f"Keys of the DTypePolicyMap match no layer path: {unused}. "
-                        f"Paths are: {list(self.modules())}"
-                    )
+            # An unbuilt module may lack the sublayers its build creates: only strict checks it.
+            if strict or self.built:
+                _check_keys(resolved, list(self.modules()), strict)
             lookup: Callable[[str], DTypePolicy] = resolved.__getitem__
         else:
             lookup = lambda path: resolved  # noqa: E731
@@ -179,6 +178,23 @@ class Retyping:
                 and value.dtype != variable
             ):
                 object.__setattr__(self, key, jnp.asarray(value).astype(variable))
+
+
+def _check_keys(policy_map: DTypePolicyMap, paths: list[str], strict: bool) -> None:
+    """Keys that match no module path are typos or stale layers: an error when ``strict``, else a
+    warning, naming them and the nearest existing paths."""
+    unused = policy_map.unused_keys(paths)
+    if not unused:
+        return
+    near = []
+    for key in unused:
+        close = difflib.get_close_matches(key, paths, n=3, cutoff=0.5)
+        near.append(f"{key!r}: did you mean {close}?" if close else f"{key!r}: no similar path")
+    message = (f"Keys of the DTypePolicyMap match no layer path: {unused} ({'; '.join(near)}); "
+               f"{len(paths)} paths, such as {paths[:4]}")
+    if strict:
+        raise ValueError(message)
+    warnings.warn(message + ". Those keys are ignored (strict=True raises).", UserWarning, stacklevel=3)
 
 
 def policy_source(dtype: Any) -> Any:
