@@ -10,15 +10,17 @@ never are. Weights are stored in the variable dtype and read in the compute dtyp
 
 from autopolicy.nn._context import rng_scope
 from autopolicy.nn._module import Layer, Module, is_module
-from autopolicy.nn import activations, initializers, regularizers
+from autopolicy.nn import activations, initializers, regularizers, weights
 from autopolicy.nn.attention import DotProductAttention, MultiHeadAttention
 from autopolicy.nn.conv import Conv2D, MaxPooling2D
 from autopolicy.nn.core import Activation, Dropout, Flatten, GlobalAveragePooling1D, Softmax
 from autopolicy.nn.dense import Dense, EinsumDense
 from autopolicy.nn.embedding import Embedding
-from autopolicy.nn.normalization import LayerNormalization
+from autopolicy.nn.normalization import LayerNormalization, UnitNormalization
 from autopolicy.nn.sequential import Sequential
 from autopolicy.nn.transformer import TransformerBlock, causal_mask
+from autopolicy.nn.bert import BertEmbeddings, bert_mapping
+from autopolicy.nn.weights import LoadReport, load_weights, weight_names
 from autopolicy.nn.calibration import calibrate
 from autopolicy.nn.serialization import load, register_serializable, save
 from autopolicy.nn._partition import combine, leaf_kinds, partition
@@ -34,6 +36,7 @@ __all__ = [
     "Conv2D",
     "MaxPooling2D",
     "LayerNormalization",
+    "UnitNormalization",
     "Dropout",
     "Activation",
     "Softmax",
@@ -44,6 +47,11 @@ __all__ = [
     "Sequential",
     "TransformerBlock",
     "causal_mask",
+    "BertEmbeddings",
+    "bert_mapping",
+    "load_weights",
+    "weight_names",
+    "LoadReport",
     "calibrate",
     "save",
     "load",
@@ -54,4 +62,5 @@ __all__ = [
     "activations",
     "initializers",
     "regularizers",
+    "weights",
 ]

@@ -1,4 +1,9 @@
-"""Activations by Keras name, or any callable. Softmax and the like compute in float32."""
+"""Activations by Keras name, or any callable. Softmax and the like compute in float32.
+
+``"gelu"`` is the exact (erf) GELU, as ``keras.activations.gelu(x, approximate=False)``, Hugging
+Face BERT's ``"gelu"`` and PyTorch's default; ``"gelu_tanh"`` (also ``"gelu_approximate"``) is
+the tanh approximation (``approximate=True``, Hugging Face's ``"gelu_new"``).
+"""
 
 from __future__ import annotations
 
@@ -29,6 +34,10 @@ def _gelu(x):
     return jax.nn.gelu(x, approximate=False)
 
 
+def _gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
 def _leaky_relu(x):
     return jax.nn.leaky_relu(x, 0.2)
 
@@ -38,7 +47,8 @@ NAMES: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,
     "relu6": jax.nn.relu6,
     "gelu": _gelu,
-    "gelu_approximate": jax.nn.gelu,
+    "gelu_tanh": _gelu_tanh,
+    "gelu_approximate": _gelu_tanh,
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
     "tanh": jnp.tanh,
@@ -55,6 +65,8 @@ def get(identifier: Any) -> Callable[[jax.Array], jax.Array]:
 
     >>> get("relu")(jnp.array([-1.0, 2.0]))
     Array([0., 2.], dtype=float32)
+    >>> [round(float(get(name)(jnp.array(-1.0))), 5) for name in ("gelu", "gelu_tanh")]
+    [-0.15866, -0.15881]
     """
     if identifier is None:
         return _linear

@@ -13,14 +13,26 @@ from autopolicy.nn.activations import accumulation_dtype
 from autopolicy.nn.core import dropout
 from autopolicy.nn.dense import EinsumDense
 
-__all__ = ["DotProductAttention", "MultiHeadAttention"]
+__all__ = ["DotProductAttention", "MultiHeadAttention", "padding_mask", "combine_masks"]
 
 
 class DotProductAttention(Module):
     """``softmax(q k^T / sqrt(d)) v`` over ``(batch, time, heads, dim)`` tensors.
 
-    The two products run in the compute dtype; the softmax runs in float32.
-    ``attention_mask`` is ``(batch, query_time, key_time)``, True where attention is allowed.
+    The two products run in the compute dtype; the logits and the softmax run in float32 (or
+    wider). ``attention_mask`` is ``(batch, query_time, key_time)``, True where attention is
+    allowed; ``mask`` is ``(batch, key_time)``, True (or 1) for real tokens and False (0) for
+    padding, which no query attends to. Masked logits are set to the most negative float32
+    before the softmax, so a padded key gets exactly zero weight.
+
+    >>> import autopolicy.nn as nn
+    >>> q = jnp.ones((1, 3, 1, 2))
+    >>> v = jnp.arange(6.0).reshape(1, 3, 1, 2)
+    >>> att = nn.DotProductAttention().build(jax.random.key(0), q, q, v)
+    >>> att(q, q, v, mask=jnp.array([[1, 1, 0]]))[0, :, 0]  # the third key is padding
+    Array([[1., 2.],
+           [1., 2.],
+           [1., 2.]], dtype=float32)
     """
 
     tunable = True
@@ -31,15 +43,43 @@ class DotProductAttention(Module):
             raise ValueError(f"dropout must be a number in [0, 1). Received: dropout={dropout!r}")
         self.dropout = float(dropout)
 
-    def call(self, query, key, value, attention_mask=None, training: bool = False):
+    def call(self, query, key, value, attention_mask=None, mask=None, training: bool = False):
         depth = query.shape[-1]
         query = query * jnp.asarray(1.0 / math.sqrt(depth), query.dtype)
         logits = jnp.einsum("bthd,bshd->bhts", query, key).astype(accumulation_dtype(query.dtype))
-        if attention_mask is not None:
-            logits = jnp.where(attention_mask[:, None, :, :], logits, jnp.finfo(logits.dtype).min)
+        allowed = combine_masks(attention_mask, mask, key.shape[0], query.shape[1], key.shape[1], self.path)
+        if allowed is not None:
+            logits = jnp.where(allowed[:, None, :, :], logits, jnp.finfo(logits.dtype).min)
         probs = jax.nn.softmax(logits, axis=-1).astype(query.dtype)
         probs = dropout(self, probs, self.dropout, training)
         return jnp.einsum("bhts,bshd->bthd", probs, value)
+
+
+def padding_mask(mask: Any, batch: int, length: int, where: str) -> jax.Array:
+    """``mask`` (``(batch, length)``, bool or 0/1) as booleans, True for real tokens.
+
+    Raises:
+      ValueError: naming ``where``, when the shape is not ``(batch, length)``.
+    """
+    mask = jnp.asarray(mask)
+    if mask.shape != (batch, length):
+        raise ValueError(
+            f"{where}: mask must have shape (batch, key_time) = {(batch, length)}, True (or 1) for "
+            f"real tokens. Received shape {mask.shape}"
+        )
+    return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def combine_masks(attention_mask: Any, mask: Any, batch: int, query_length: int, key_length: int,
+                  where: str) -> jax.Array | None:
+    """``(batch, query_time, key_time)`` booleans: ``attention_mask`` and the keys' padding
+    ``mask`` together (None when both are None)."""
+    allowed = None if attention_mask is None else jnp.asarray(attention_mask).astype(jnp.bool_)
+    if mask is not None:
+        keys = padding_mask(mask, batch, key_length, where)[:, None, :]
+        keys = jnp.broadcast_to(keys, (batch, query_length, key_length))
+        allowed = keys if allowed is None else jnp.logical_and(allowed, keys)
+    return allowed
 
 
 class MultiHeadAttention(Module):
@@ -56,8 +96,9 @@ class MultiHeadAttention(Module):
 
     Sublayers (each tunable on its own): ``query``, ``key``, ``value`` (EinsumDense),
     ``attention`` (DotProductAttention) and ``attention_output`` (EinsumDense).
-    Call as ``mha(query, value, key=None, attention_mask=None)`` with ``(batch, time, features)``
-    inputs.
+    Call as ``mha(query, value, key=None, attention_mask=None, mask=None)`` with
+    ``(batch, time, features)`` inputs; ``mask`` is ``(batch, key_time)``, True (or 1) for the
+    real tokens of ``key``/``value`` and False (0) for padding (Keras's ``value_mask``).
     """
 
     def __init__(
@@ -101,7 +142,7 @@ class MultiHeadAttention(Module):
             name=name,
         )
 
-    def build_variables(self, query, value, key=None, attention_mask=None) -> None:
+    def build_variables(self, query, value, key=None, attention_mask=None, mask=None) -> None:
         out = self.output_shape or query.shape[-1]
         self.output_dense = EinsumDense(
             "abcd,cde->abe",
@@ -112,10 +153,10 @@ class MultiHeadAttention(Module):
             name="attention_output",
         )
 
-    def call(self, query, value, key=None, attention_mask=None):
+    def call(self, query, value, key=None, attention_mask=None, mask=None):
         key = value if key is None else key
         q = self.query_dense(query)
         k = self.key_dense(key)
         v = self.value_dense(value)
-        attended = self.attention(q, k, v, attention_mask=attention_mask)
+        attended = self.attention(q, k, v, attention_mask=attention_mask, mask=mask)
         return self.output_dense(attended)

@@ -1,4 +1,4 @@
-"""LayerNormalization, computed in float32 whatever the compute dtype."""
+"""LayerNormalization and UnitNormalization (L2), computed in float32 whatever the compute dtype."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from autopolicy.nn import initializers
 from autopolicy.nn.activations import accumulation_dtype
 from autopolicy.nn._module import Module
 
-__all__ = ["LayerNormalization"]
+__all__ = ["LayerNormalization", "UnitNormalization"]
 
 
 class LayerNormalization(Module):
@@ -62,3 +62,33 @@ class LayerNormalization(Module):
         if self.beta is not None:
             y = y + self.beta.astype(acc)
         return y.astype(x.dtype)
+
+
+class UnitNormalization(Module):
+    """L2 normalization over ``axis``: ``x / max(||x||, epsilon)``, as Keras's
+    ``UnitNormalization`` and PyTorch's ``F.normalize`` (sentence embeddings).
+
+    The norm runs in float32 or wider; the result comes back in the compute dtype. An all-zero
+    vector stays zero.
+
+    >>> import autopolicy.nn as nn
+    >>> unit = nn.UnitNormalization().build(jax.random.key(0), jnp.ones((1, 2)))
+    >>> unit(jnp.array([[3.0, 4.0], [0.0, 0.0]]))
+    Array([[0.6, 0.8],
+           [0. , 0. ]], dtype=float32)
+    """
+
+    def __init__(self, axis: int = -1, epsilon: float = 1e-12, *, name: str | None = None,
+                 dtype: Any = None):
+        super().__init__(name=name, dtype=dtype)
+        if isinstance(axis, bool) or not isinstance(axis, int):
+            raise TypeError(f"axis must be an int. Received: axis={axis!r}")
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+            raise ValueError(f"epsilon must be a number > 0. Received: epsilon={epsilon!r}")
+        self.axis = axis
+        self.epsilon = float(epsilon)
+
+    def call(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(accumulation_dtype(x.dtype))
+        norm = jnp.sqrt(jnp.sum(jnp.square(xf), axis=self.axis, keepdims=True))
+        return (xf / jnp.maximum(norm, self.epsilon)).astype(x.dtype)
