@@ -5,7 +5,10 @@ For square sizes (batch M = inputs K = units N), times side by side, with
 :class:`autopolicy.search.timing.Timer` (jitted, warmed up, amortized over many calls inside
 one compiled loop, every candidate once per round in a fresh random order, medians):
 
-- ``float32``, ``mixed_bfloat16``, ``mixed_float16``: one ``nn.Dense(N)`` (with bias);
+- ``float32``, ``mixed_bfloat16``, ``mixed_float16``: one ``nn.Dense(N)`` (with bias), as a model
+  calls it (XLA's dot in the compute dtype: the float kernel ``xla``), and
+  ``mixed_*/f32_accumulate``: its product asked for a float32 result, rounded once
+  (:mod:`autopolicy.numerics.float_dot`);
 - ``int8 (layer)``: the same layer quantized to int8, called as a model calls it (its default
   kernel on this device), and ``int8/<kernel>`` for each int8 kernel (the layer's weights run
   through that kernel's op, :mod:`autopolicy.numerics.kernels`);
@@ -52,7 +55,7 @@ import numpy as np  # noqa: E402
 import autopolicy.nn as nn  # noqa: E402
 from autopolicy import _atomic  # noqa: E402
 from autopolicy.nn.calibration import calibrate  # noqa: E402
-from autopolicy.numerics import _u8s8_dot, int8, kernels, modes  # noqa: E402
+from autopolicy.numerics import _u8s8_dot, float_dot, int8, kernels, modes  # noqa: E402
 from autopolicy.numerics.device import Device, current_device, read_cpuinfo  # noqa: E402
 from autopolicy.search.timing import Candidate, Timer, Timing  # noqa: E402
 
@@ -143,6 +146,18 @@ def _with_kernel(mode: str, kernel: str) -> Callable[[nn.Module, jax.Array], jax
     return call
 
 
+def _float_with_kernel(kernel: str) -> Callable[[nn.Module, jax.Array], jax.Array]:
+    """A float Dense layer's call with its product run by the float kernel ``kernel``."""
+
+    def call(layer: nn.Module, x: jax.Array) -> jax.Array:
+        # The layer reads its (float32) variables in the compute dtype, as here.
+        y = float_dot.float_einsum("mk,kn->mn", x, layer.kernel.astype(x.dtype), kernel)
+        return y + layer.bias.astype(y.dtype)
+
+    call.__name__ = f"float_{kernel}"
+    return call
+
+
 def _raw_s8(_, x_q: jax.Array, k_q: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x_q, k_q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
 
@@ -185,7 +200,12 @@ def make_candidates(size: int, seed: int) -> tuple[dict[str, Candidate], dict[st
     for policy in FLOAT_POLICIES:
         layer = dense if policy == BASELINE else dense.with_dtype_policy(policy)
         candidates[policy] = Candidate(_call, (x.astype(layer.compute_dtype),), state=layer)
-        notes[policy] = f"nn.Dense, policy {policy}"
+        notes[policy] = f"nn.Dense, policy {policy}, as a model calls it (float kernel `xla`)"
+        if policy != BASELINE:
+            name = f"{policy}/f32_accumulate"
+            candidates[name] = Candidate(_float_with_kernel("f32_accumulate"), (x.astype(layer.compute_dtype),),
+                                         state=layer)
+            notes[name] = f"nn.Dense {policy} weights, kernel `f32_accumulate`: {kernels.kernel_spec('float', 'f32_accumulate').summary}"
     int8_layer = dense.quantize("int8")
     candidates[LAYER_INT8] = Candidate(_call, (x,), state=int8_layer)
     notes[LAYER_INT8] = f"nn.Dense int8_from_float32 as a model calls it (default kernel `{kernels.default_kernel('int8')}`)"

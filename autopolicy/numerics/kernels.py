@@ -13,8 +13,11 @@ the layer's real shape on the target (like TensorRT's tactics); without a measur
   scales) on GPUs of compute capability 8.9 or higher; ``"emulated"`` (quantize-dequantize, then
   a product in the compute dtype) elsewhere.
 
-Float policies (``bfloat16``, ``float16``, ``mixed_*``) have one kernel: XLA's dot in the
-compute dtype, which uses a GPU's tensor cores directly; they are not listed here.
+Products of 16-bit float policies (``bfloat16``, ``float16``, ``mixed_*``) are listed under the
+pseudo-mode ``"float"`` (:mod:`autopolicy.numerics.float_dot`): ``"xla"``, XLA's dot in the compute
+dtype (tensor cores on GPUs), and ``"f32_accumulate"``, the same product asked for a float32
+result and rounded once (a native bfloat16 kernel on CPUs with AVX512-BF16 or AMX-BF16, the
+default there for bfloat16). Their default depends on the compute dtype (``compute_dtype=``).
 
 The int8 kernels are exact: the same int32 accumulators, the same outputs bit for bit. The
 float8 kernels agree to float32 rounding (``exact=False`` on ``"fp8_dot"``; the tolerance is
@@ -31,7 +34,7 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-from autopolicy.numerics import float8, int8
+from autopolicy.numerics import float8, float_dot, int8
 from autopolicy.numerics.device import Device, current_device
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "MODE_KERNELS",
     "INT8_KERNEL_SPECS",
     "FLOAT8_KERNEL_SPECS",
+    "FLOAT_KERNEL_SPECS",
     "kernel_specs",
     "kernel_spec",
     "candidate_kernels",
@@ -135,6 +139,35 @@ FLOAT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
     ),
 )
 
+def _float_op(name: str) -> Callable[..., Any]:
+    def einsum(equation: str, x: Any, kernel: Any) -> Any:
+        return float_dot.float_einsum(equation, x, kernel, name)
+
+    einsum.__name__ = f"float_einsum_{name}"
+    return einsum
+
+
+#: The products of 16-bit float policies; their op is ``einsum(equation, x, kernel)``.
+FLOAT_KERNEL_SPECS: tuple[KernelSpec, ...] = (
+    KernelSpec(
+        mode="float",
+        name="xla",
+        ops=(("einsum", _float_op("xla")),),
+        available=functools.partial(float_dot.float_kernel_available, "xla"),
+        exact=True,
+        summary="XLA's dot with its result in the compute dtype (float32 inside on XLA:CPU)",
+    ),
+    KernelSpec(
+        mode="float",
+        name="f32_accumulate",
+        ops=(("einsum", _float_op("f32_accumulate")),),
+        available=functools.partial(float_dot.float_kernel_available, "f32_accumulate"),
+        exact=False,
+        summary="the dot asked for a float32 result, rounded once to the compute dtype; equal to "
+                "'xla' up to one ulp of the compute dtype (summation order)",
+    ),
+)
+
 #: ``(mode, kernels)`` for every mode with more than one kernel; modes not listed (int4) have
 #: one kernel, their mode's own.
 MODE_KERNELS: tuple[tuple[str, tuple[KernelSpec, ...]], ...] = (
@@ -156,6 +189,8 @@ def kernel_specs(mode: str) -> tuple[KernelSpec, ...]:
     >>> kernel_specs("int4")
     ()
     """
+    if mode == "float":
+        return FLOAT_KERNEL_SPECS
     return dict(MODE_KERNELS).get(mode, ())
 
 
@@ -182,7 +217,8 @@ def kernel_spec(mode: str, name: str) -> KernelSpec:
     raise ValueError(f"Invalid {mode} kernel. Expected one of {tuple(s.name for s in specs)}. Received: kernel={name!r}")
 
 
-def candidate_kernels(mode: str, op: str = "einsum", device: Device | None = None) -> tuple[str, ...]:
+def candidate_kernels(mode: str, op: str = "einsum", device: Device | None = None,
+                      compute_dtype: Any = None) -> tuple[str, ...]:
     """The names of ``mode``'s kernels that run ``op`` and are worth timing on ``device`` (the
     tactics a search measures), default first.
 
@@ -190,6 +226,7 @@ def candidate_kernels(mode: str, op: str = "einsum", device: Device | None = Non
       mode: A quantization mode.
       op: An op of :mod:`autopolicy.numerics.modes` (``"einsum"``, ``"conv2d"``).
       device: None means :func:`~autopolicy.numerics.device.current_device`.
+      compute_dtype: The compute dtype (used by ``"float"`` only).
 
     >>> candidate_kernels("int8", device=Device("gpu", compute_capability="9.0"))
     ('s8s8',)
@@ -198,22 +235,32 @@ def candidate_kernels(mode: str, op: str = "einsum", device: Device | None = Non
     """
     device = current_device() if device is None else device
     names = tuple(s.name for s in kernel_specs(mode) if op in s.op_names and s.available(device))
-    default = default_kernel(mode, op, device)
+    default = default_kernel(mode, op, device, compute_dtype)
     return tuple(sorted(names, key=lambda n: n != default))
 
 
-def default_kernel(mode: str, op: str = "einsum", device: Device | None = None) -> str | None:
+def default_kernel(mode: str, op: str = "einsum", device: Device | None = None,
+                   compute_dtype: Any = None) -> str | None:
     """The kernel ``mode`` uses for ``op`` on ``device`` without a measurement (see the module
     docstring for the rules); None for a mode or op without a choice of kernels.
+
+    Raises:
+      ValueError: for ``mode="float"`` without a ``compute_dtype``.
 
     >>> default_kernel("int8", device=Device("cpu", cpu_features=("avx2", "fma")))
     's8s8'
     >>> default_kernel("float8", device=Device("gpu", compute_capability="8.0"))
     'emulated'
+    >>> default_kernel("float", device=Device("cpu", cpu_features=("amx_bf16",)), compute_dtype="bfloat16")
+    'f32_accumulate'
     """
+    device = current_device() if device is None else device
+    if mode == "float":
+        if compute_dtype is None:
+            raise ValueError("The default float kernel depends on the compute dtype: pass compute_dtype=.")
+        return float_dot.default_float_kernel(compute_dtype, device) if op == "einsum" else None
     if mode not in _DEFAULTS:
         return None
-    device = current_device() if device is None else device
     name = _DEFAULTS[mode](device)
     if op not in kernel_spec(mode, name).op_names:  # int8 conv2d: only s8s8; gather: none
         name = next((s.name for s in kernel_specs(mode) if op in s.op_names), None)
