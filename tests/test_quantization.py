@@ -143,7 +143,8 @@ def _u8_and_s8(equation, x, kernel, dtype):
     _, kernel_axes = int8.contracted_axes(equation)
     kernel_q, kernel_scale = int8.quantize_symmetric(kernel, kernel_axes)
     x = x.astype(dtype)
-    y = int8.int8_einsum(equation, x, kernel_q, kernel_scale, dtype)
+    # Named: the default follows the CPU (s8s8 where there is no VNNI).
+    y = int8.int8_einsum(equation, x, kernel_q, kernel_scale, dtype, kernel="u8s8")
     return y, _s8_reference(equation, x, kernel_q, kernel_scale, dtype)
 
 
