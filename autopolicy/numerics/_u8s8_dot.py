@@ -2,10 +2,15 @@
 
 ``lax.dot_general`` converts operands of different dtypes to the result dtype before XLA sees
 them, which turns a u8 x s8 product into a slow s32 one. XLA's CPU backend hands a true
-u8 x s8 -> s32 dot to YNNPACK, whose x86 kernel for it uses AVX512-VNNI (``vpdpbusd``); its
-s8 x s8 kernel widens to int16 instead and runs at about float32 speed. So the int8 layers
-shift their quantized inputs by +128 into uint8, multiply with this primitive, and subtract
-``128 * column_sums(kernel)``: the result equals the s8 x s8 product exactly.
+u8 x s8 -> s32 dot to YNNPACK, whose x86 kernel for it uses AVX512-VNNI / AVX-VNNI
+(``vpdpbusd``, which multiplies unsigned by signed bytes). The int8 kernel ``"u8s8"``
+(:mod:`autopolicy.numerics.int8`) shifts the quantized inputs by +128 into uint8, multiplies
+with this primitive, and subtracts ``128 * column_sums(kernel)``: the result equals the
+s8 x s8 product exactly.
+
+Whether it beats XLA's own s8 x s8 dot is for a measurement to say: on a CPU without VNNI
+(AVX2 only) it is several times slower than float32 (issue 13), which is why it is the default
+only where VNNI or AMX-INT8 is present; on an AMX Xeon both int8 dots run at 4-6x float32.
 
 On other platforms the primitive lowers to that s8 x s8 product directly.
 """
