@@ -115,6 +115,14 @@ def test_mappings_translate_and_transpose(form):
         np.testing.assert_array_equal(np.asarray(getattr(loaded.modules()[path], attr)), value)
 
 
+def test_rules_are_hashable_static_configuration():
+    rule = nn.weights.Rule(r"q\.weight", "query/kernel", ["transpose", "reshape"])
+    assert rule.transform == ("transpose", "reshape")
+    assert hash(rule) == hash(nn.weights.Rule(r"q\.weight", "query/kernel", ("transpose", "reshape")))
+    rules = nn.bert_mapping("bert/embeddings", "bert/block_{}")
+    assert jax.jit(lambda x, rules: x * len(rules), static_argnums=1)(jnp.float32(1), rules) == 20.0
+
+
 def test_rules_skip_with_none_and_keep_unmatched_names():
     model = mlp()
     source = {**arrays_of(model), "buffers.position_ids": np.arange(4)}

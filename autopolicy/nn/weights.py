@@ -51,6 +51,8 @@ class Rule:
         if self.replacement is not None and not isinstance(self.replacement, str):
             raise TypeError(f"Rule replacement must be a str or None. Received: {self.replacement!r}")
         _check_transform(self.transform)
+        if isinstance(self.transform, list):  # hashable, like every configuration object
+            object.__setattr__(self, "transform", tuple(self.transform))
 
 
 @dataclasses.dataclass(frozen=True)
