@@ -278,6 +278,22 @@ def _fmt_ratio(r: tuple[float, float, float] | None) -> str:
     return "—" if r is None else f"{r[0]:.2f}x [{r[1]:.2f}–{r[2]:.2f}]"
 
 
+def table_rows(size: int, timings: dict[str, Timing], errors: dict[str, float]) -> list[dict[str, Any]]:
+    """One row per candidate: median, spread and the paired ratios to float32, Keras's int8 Dense
+    and the raw s8 dot (None where that candidate was not timed)."""
+    rows = []
+    for name, t in timings.items():
+        rows.append({
+            "size": size, "name": name, "median_ms": t.median * 1e3, "cv": t.cv, "repeats": t.repeats,
+            "inner": t.inner,
+            "vs_float32": paired_ratio(timings[BASELINE], t),
+            "vs_keras": paired_ratio(timings[KERAS_INT8], t) if KERAS_INT8 in timings else None,
+            "vs_raw_s8": paired_ratio(timings[RAW_S8], t),
+            "error": errors.get(name),
+        })
+    return rows
+
+
 def bench_size(size: int, repeats: int | None, seed: int) -> dict[str, Any]:
     candidates, notes = make_candidates(size, seed)
     ys = outputs(candidates)
@@ -290,16 +306,8 @@ def bench_size(size: int, repeats: int | None, seed: int) -> dict[str, Any]:
     timer = Timer(candidates, warmup=warmup, seed=seed)
     timer.rounds(repeats or default_repeats)
     timings = timer.timings()
-    rows = []
-    for name, t in timings.items():
-        rows.append({
-            "size": size, "name": name, "median_ms": t.median * 1e3, "cv": t.cv, "repeats": t.repeats,
-            "inner": t.inner,
-            "vs_float32": paired_ratio(timings[BASELINE], t),
-            "vs_keras": paired_ratio(timings[KERAS_INT8], t) if KERAS_INT8 in timings else None,
-            "vs_raw_s8": paired_ratio(timings[RAW_S8], t),
-            "error": None if name in (RAW_S8, RAW_U8) else relative_error(ys[name], reference),
-        })
+    errors = {name: relative_error(y, reference) for name, y in ys.items() if name not in (RAW_S8, RAW_U8)}
+    rows = table_rows(size, timings, errors)
     return {"size": size, "rows": rows, "notes": notes, "programs": programs, "identical": identical,
             "int8_names": int8_names, "timings": timings, "cpu_per_wall": timer.cpu_per_wall}
 

@@ -458,3 +458,68 @@ def test_f32_accumulate_is_exactly_xla_in_float32():
     x, kernel = jnp.asarray(gaussian((32, 64))), jnp.asarray(gaussian((64, 16), seed=2))
     assert_bit_identical(float_dot.float_einsum("mk,kn->mn", x, kernel, "f32_accumulate"),
                          float_dot.float_einsum("mk,kn->mn", x, kernel, "xla"))
+
+
+# --- the benchmark's bookkeeping (experiments/bench_kernels.py) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench():
+    import importlib.util  # pylint: disable=import-outside-toplevel
+    import pathlib  # pylint: disable=import-outside-toplevel
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_names_the_device_in_the_report_file(bench):
+    import os  # pylint: disable=import-outside-toplevel
+
+    cores = os.cpu_count()
+    assert bench.device_slug(H100, None) == "nvidia-h100-80gb-hbm3"
+    assert bench.device_slug(EPYC_AVX2, "AMD EPYC 7B12") == f"amd-epyc-7b12-avx2-{cores}c"
+    assert bench.device_slug(SAPPHIRE_RAPIDS, "Intel(R) Xeon(R) Platinum 8480+ CPU @ 2.00GHz") == \
+        f"intel-xeon-platinum-8480-amx-int8-{cores}c"
+
+
+def test_bench_ratios_are_paired_per_round(bench):
+    from autopolicy.search.timing import summarize  # pylint: disable=import-outside-toplevel
+
+    slow, fast = summarize([2.0, 4.0, 6.0, 9.0]), summarize([1.0, 2.0, 2.0, 3.0])
+    assert bench.paired_ratio(slow, fast) == (2.5, 2.0, 3.0)  # ratios 2, 2, 3, 3
+
+
+def test_bench_goal_checks(bench):
+    from autopolicy.search.timing import summarize  # pylint: disable=import-outside-toplevel
+
+    per_call = {"float32": 10.0, "mixed_bfloat16": 5.0, bench.LAYER_INT8: 4.0, "int8/s8s8": 3.0,
+                "int8/u8s8": 3.5, bench.KERAS_INT8: 3.6, bench.RAW_S8: 3.0}
+    timings = {name: summarize([t, t, t]) for name, t in per_call.items()}
+    results = [{"size": 1024, "rows": bench.table_rows(1024, timings, {}), "timings": timings}]
+    lines = bench.goal_checks(results, SAPPHIRE_RAPIDS)
+    assert lines[:4] == [
+        "- FAIL N=1024: autopolicy int8 layer (default kernel) = 0.90x [0.90–0.90] Keras int8 (goal >= 0.95x)",
+        "- FAIL N=1024: autopolicy int8 layer (default kernel) = 0.75x [0.75–0.75] the raw s8 x s8 dot (goal >= 0.9x)",
+        "- PASS N=1024: autopolicy int8 best kernel `int8/s8s8` = 1.20x [1.20–1.20] Keras int8 (goal >= 0.95x)",
+        "- PASS N=1024: autopolicy int8 best kernel `int8/s8s8` = 1.00x [1.00–1.00] the raw s8 x s8 dot (goal >= 0.9x)",
+    ]
+    assert lines[4] == "- PASS N=1024 (VNNI CPU): autopolicy int8 = 2.50x [2.50–2.50] float32 (goal >= 2.4x)"
+    assert not any("VNNI" in line for line in bench.goal_checks(results, EPYC_AVX2))
+
+
+def test_bench_goal_checks_on_an_h100(bench):
+    from autopolicy.search.timing import summarize  # pylint: disable=import-outside-toplevel
+
+    per_call = {"float32": 10.0, "mixed_bfloat16": 5.0, "float8/fp8_dot": 4.0, bench.LAYER_INT8: 2.0,
+                "int8/s8s8": 2.0, bench.RAW_S8: 2.0}
+    timings = {name: summarize([t, t, t]) for name, t in per_call.items()}
+    results = [{"size": 4096, "rows": bench.table_rows(4096, timings, {}), "timings": timings}]
+    lines = bench.goal_checks(results, H100)
+    assert lines[-2:] == [
+        "- PASS N=4096 (NVIDIA H100 80GB HBM3): mixed_bfloat16 = 2.00x [2.00–2.00] float32 (H100 goal >= 1.8x)",
+        "- FAIL N=4096 (NVIDIA H100 80GB HBM3): float8/fp8_dot = 1.25x [1.25–1.25] mixed_bfloat16 (H100 goal >= 1.3x)",
+    ]
+    assert not any("Keras" in line for line in lines)  # no Keras rows were timed
