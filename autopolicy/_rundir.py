@@ -112,7 +112,7 @@ def _check_dir(path: str, described: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except (NotADirectoryError, FileExistsError) as e:
-        raise _failure(e, f"cannot create {described}: {_file_in(path)!r} is a file") from e
+        raise _failure(e, f"cannot create {described}: {_file_in(path) or path!r} is a file") from e
     except OSError as e:
         raise _failure(e, f"cannot create {described}: {e.strerror}") from e
     try:  # os.access is not enough: root passes it on read-only mounts, network file systems lie
@@ -123,14 +123,14 @@ def _check_dir(path: str, described: str) -> None:
         raise _failure(e, f"cannot write in {described}: {e.strerror}") from e
 
 
-def _file_in(path: str) -> str:
-    """The first part of ``path`` that exists and is not a directory."""
+def _file_in(path: str) -> str | None:
+    """The first part of ``path`` that exists and is not a directory, or None."""
     parts = os.path.abspath(path).split(os.sep)
     for i in range(2, len(parts) + 1):
         prefix = os.sep.join(parts[:i])
         if os.path.exists(prefix) and not os.path.isdir(prefix):
             return prefix
-    return path
+    return None
 
 
 def check_output_file(path: Any, what: str = "--out") -> str:
@@ -145,6 +145,9 @@ def check_output_file(path: Any, what: str = "--out") -> str:
     if os.path.isdir(path):
         raise IsADirectoryError(f"{what} {path!r} is a directory: name a file")
     parent = os.path.dirname(os.path.abspath(path))
+    blocking = _file_in(parent)
+    if blocking is not None:
+        raise NotADirectoryError(f"cannot write {what} {path!r}: {blocking!r} is a file, not a directory")
     _check_dir(parent, f"the directory {parent!r} of {what} {path!r}")
     return path
 

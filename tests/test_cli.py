@@ -129,7 +129,7 @@ def test_show_rejects_a_file_that_is_not_a_map(tmp_path, capsys):
     assert "not a JSON policy map" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["tune", "report", "export", "show", "profile", "list"])
+@pytest.mark.parametrize("command", ["tune", "report", "export", "show", "profile", "list", "apply"])
 def test_every_command_has_help(command, capsys):
     assert run([command, "--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: autopolicy " + command)
