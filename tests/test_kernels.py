@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autopolicy.numerics import _u8s8_dot, float8, float_dot, int8, kernels
+from autopolicy.numerics import _int8_accumulate, _u8s8_dot, float8, float_dot, int8, kernels
 from autopolicy.numerics.device import CPU_FEATURES, Device, current_device, known_cpu_features, parse_cpuinfo
 from helpers import assert_bit_identical, gaussian
 
@@ -295,7 +295,7 @@ def test_int8_kernels_have_the_same_gradient():
 @pytest.mark.parametrize("name,expect_u8", [("EPYC_AVX2", False), ("SAPPHIRE_RAPIDS", True), ("H100", False)])
 def test_the_default_kernel_is_the_one_in_the_program(monkeypatch, name, expect_u8):
     # The default is read from the (stand-in) current device when the product is traced.
-    monkeypatch.setattr(int8, "current_device", lambda: SELECTION[name][0])
+    monkeypatch.setattr(_int8_accumulate, "current_device", lambda: SELECTION[name][0])
     x, kernel_q, kernel_scale, colsum = _operands("mk,kn->mn", (8, 32), (32, 16))
     # A new function per test: a shared one would reuse the program traced for another device.
     dense = jax.jit(lambda *args: int8.int8_dense(*args[:3], jnp.float32, args[3]))

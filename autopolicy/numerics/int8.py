@@ -20,8 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.numerics import _u8s8_dot
-from autopolicy.numerics.device import Device, current_device
+from autopolicy.numerics._int8_accumulate import (  # noqa: F401  (re-exported)
+    INT8_KERNELS,
+    INT8_OP_KERNELS,
+    _check_kernel,
+    _einsum_spec,
+    _is_matmul,
+    column_sums,
+    contracted_axes,
+    default_int8_kernel,
+    int8_accumulate,
+    int8_kernel_available,
+)
 
 __all__ = [
     "INT8_MAX",
@@ -82,154 +92,6 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
 
 
-def _einsum_spec(equation: str) -> tuple[str, str, str]:
-    inputs, out = equation.replace(" ", "").split("->")
-    lhs, rhs = inputs.split(",")
-    return lhs, rhs, out
-
-
-def contracted_axes(equation: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The axes of each operand that the einsum sums over (present in both, not in the output).
-
-    >>> contracted_axes("abc,cde->abde")
-    ((2,), (0,))
-    """
-    lhs, rhs, out = _einsum_spec(equation)
-    if "." in lhs + rhs + out:
-        raise ValueError(f"int8_einsum needs an equation without '...'. Received: {equation!r}")
-    alone = [c for c in lhs + rhs if c not in out and (c not in lhs or c not in rhs)]
-    if alone:
-        raise ValueError(f"int8_einsum sums only over letters of both operands; {alone} of "
-                         f"{equation!r} would be summed within one operand.")
-    summed = [c for c in lhs if c in rhs and c not in out]
-    return tuple(lhs.index(c) for c in summed), tuple(rhs.index(c) for c in summed)
-
-
-def column_sums(kernel_q: jax.Array, contract_axes: Sequence[int]) -> jax.Array:
-    """``128 * sum(kernel_q)`` over the contracted axes, in int32: what shifting the quantized
-    inputs by +128 adds to each output, stored once so no call recomputes it.
-
-    >>> column_sums(jnp.array([[1, -2], [3, 4]], jnp.int8), (0,))
-    Array([512, 256], dtype=int32)
-    """
-    return 128 * jnp.sum(kernel_q, axis=tuple(contract_axes), dtype=jnp.int32)
-
-
-# --- kernels (tactics): every one computes the same int32 accumulators ------------------------
-
-#: The int8 kernels. Each gives the same int32 accumulators, so the same outputs bit for bit:
-#: ``"s8s8"`` is XLA's s8 x s8 -> s32 dot; ``"u8s8"`` shifts the inputs by +128 into uint8,
-#: multiplies with the u8 x s8 -> s32 dot (:mod:`autopolicy.numerics._u8s8_dot`, the x86
-#: VNNI/AMX instruction) and subtracts the stored :func:`column_sums`.
-INT8_KERNELS = ("s8s8", "u8s8")
-#: The kernels of each op (the u8 x s8 dot is a matrix product, not a convolution).
-INT8_OP_KERNELS = (("einsum", ("s8s8", "u8s8")), ("conv2d", ("s8s8",)))
-
-
-def int8_kernel_available(kernel: str, device: Device) -> bool:
-    """Whether ``kernel`` runs on ``device`` natively (so it is worth timing there).
-
-    ``"u8s8"`` is a CPU kernel: elsewhere it would lower to the s8 x s8 dot plus a shift.
-
-    >>> int8_kernel_available("u8s8", Device("cpu", cpu_features=("avx2",)))
-    True
-    >>> int8_kernel_available("u8s8", Device("gpu", compute_capability="9.0"))
-    False
-    """
-    _check_kernel(kernel, INT8_KERNELS, "einsum")
-    if kernel == "u8s8":
-        return device.platform == "cpu" and _u8s8_dot.AVAILABLE
-    return True
-
-
-def default_int8_kernel(device: Device | None = None) -> str:
-    """The int8 einsum kernel to use without a measurement: ``"u8s8"`` on CPUs with VNNI or AMX
-    int8 (where XLA's u8 x s8 dot uses them), ``"s8s8"`` everywhere else (on CPUs without VNNI
-    XLA's u8 x s8 dot is several times slower than its s8 x s8 one; GPUs run s8 x s8 natively).
-
-    Args:
-      device: The device; None means :func:`~autopolicy.numerics.device.current_device`.
-
-    >>> default_int8_kernel(Device("cpu", cpu_features=("avx2", "fma")))
-    's8s8'
-    >>> default_int8_kernel(Device("cpu", cpu_features=("avx2", "avx512_vnni"))) == (
-    ...     "u8s8" if _u8s8_dot.AVAILABLE else "s8s8")
-    True
-    """
-    device = current_device() if device is None else device
-    return "u8s8" if device.has_vnni and int8_kernel_available("u8s8", device) else "s8s8"
-
-
-def _check_kernel(kernel: Any, valid: tuple[str, ...], op: str) -> None:
-    if kernel not in valid:
-        raise ValueError(f"Invalid int8 {op} kernel. Expected one of {valid} (or None for the "
-                         f"device's default). Received: kernel={kernel!r}")
-
-
-def _resolve_einsum_kernel(kernel: str | None, equation: str) -> str:
-    if kernel is None:
-        kernel = default_int8_kernel()
-        # The default falls back where the u8 x s8 matrix product cannot express the einsum.
-        return kernel if kernel != "u8s8" or _matmul_plan(equation) else "s8s8"
-    _check_kernel(kernel, INT8_KERNELS, "einsum")
-    if kernel == "u8s8":
-        if not _u8s8_dot.AVAILABLE:
-            raise ValueError("The int8 kernel 'u8s8' needs JAX's primitive hooks, which this JAX "
-                             "version lacks; use kernel='s8s8'.")
-        if _matmul_plan(equation) is None:
-            raise ValueError(f"The int8 kernel 'u8s8' runs einsums that are one matrix product (no "
-                             f"batch axes); {equation!r} is not. Use kernel='s8s8'.")
-    return kernel
-
-
-def _matmul_plan(equation: str) -> tuple[str, str, str] | None:
-    """``(free_x, summed, free_k)``: the einsum as ``x[free_x, summed] @ k[summed, free_k]``
-    after transposes (letters in the operands' own orders), or None when it is not one product.
-
-    >>> _matmul_plan("abc,cde->abde"), _matmul_plan("bmk,bkn->bmn")
-    (('ab', 'c', 'de'), None)
-    """
-    lhs, rhs, out = _einsum_spec(equation)
-    if len(set(lhs)) < len(lhs) or len(set(rhs)) < len(rhs) or len(set(out)) < len(out):
-        return None
-    summed = "".join(c for c in lhs if c in rhs and c not in out)
-    free_x = "".join(c for c in lhs if c not in rhs)
-    free_k = "".join(c for c in rhs if c not in lhs)
-    if not summed or sorted(out) != sorted(free_x + free_k):
-        return None  # a batch axis (in both operands and the output), or one summed away alone
-    return free_x, summed, free_k
-
-
-def _s8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):
-    del kernel_colsum
-    return jnp.einsum(equation, x_q, kernel_q, preferred_element_type=jnp.int32)
-
-
-def _u8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):
-    """The s8 x s8 accumulators through the u8 x s8 dot: ``(x + 128) @ k - 128 * sum(k)``."""
-    lhs, rhs, out = _einsum_spec(equation)
-    free_x, summed, free_k = _matmul_plan(equation)
-    x_t = jnp.transpose(x_q, [lhs.index(c) for c in free_x + summed])
-    k_t = jnp.transpose(kernel_q, [rhs.index(c) for c in summed + free_k])
-    rows_shape, cols_shape = x_t.shape[: len(free_x)], k_t.shape[len(summed):]
-    k = int(np.prod(x_t.shape[len(free_x):]))
-    n = int(np.prod(cols_shape))
-    # q ^ 0x80 read as unsigned is q + 128: [-127, 127] -> [1, 255], no arithmetic needed.
-    x_u8 = jax.lax.bitcast_convert_type(x_t.reshape((-1, k)) ^ jnp.int8(-128), jnp.uint8)
-    rows = x_u8.shape[0]
-    if rows == 1:  # YNNPACK's kernel needs two rows; a copy costs less than the slow path.
-        x_u8 = jnp.concatenate([x_u8, x_u8])
-    if kernel_colsum is None:
-        kernel_colsum = column_sums(kernel_q, contracted_axes(equation)[1])
-    # The stored column sums keep the kernel's free axes in its own order, as ``k_t`` does.
-    acc = _u8s8_dot.u8s8_matmul(x_u8, k_t.reshape((k, n)))[:rows] - kernel_colsum.reshape((n,))
-    acc = acc.reshape(rows_shape + cols_shape)
-    return jnp.transpose(acc, [(free_x + free_k).index(c) for c in out])
-
-
-_ACCUMULATE = {"s8s8": _s8s8_accumulate, "u8s8": _u8s8_accumulate}
-
-
 def _rescale(equation: str, acc: jax.Array, x_scale: jax.Array, kernel_scale: jax.Array) -> jax.Array:
     """``acc * (x_scale * kernel_scale)`` in float32, each scale broadcast into the output's
     layout (one multiply per output element; every kernel shares it, so their outputs agree
@@ -245,28 +107,6 @@ def _rescale(equation: str, acc: jax.Array, x_scale: jax.Array, kernel_scale: ja
         return scale.reshape(tuple(scale.shape[order.index(c)] if c in kept else 1 for c in out))
 
     return acc.astype(jnp.float32) * (place(x_scale, lhs, x_axes) * place(kernel_scale, rhs, k_axes))
-
-
-def int8_accumulate(equation: str, x_q: jax.Array, kernel_q: jax.Array, kernel: str | None = None,
-                    kernel_colsum: jax.Array | None = None) -> jax.Array:
-    """The int32 accumulators ``einsum(equation, x_q, kernel_q)`` of two int8 operands, computed
-    by the int8 kernel ``kernel`` (every kernel gives the same values).
-
-    Args:
-      equation: A two-operand einsum without ellipsis.
-      x_q, kernel_q: int8 operands.
-      kernel: One of :data:`INT8_KERNELS`, or None for the device's default.
-      kernel_colsum: Optional :func:`column_sums` of ``kernel_q`` (used by ``"u8s8"``).
-
-    Raises:
-      ValueError: for an unknown kernel, or ``"u8s8"`` with an einsum that is not one matrix
-        product.
-
-    >>> x = jnp.array([[-127, 3]], jnp.int8); k = jnp.array([[2], [127]], jnp.int8)
-    >>> [int8_accumulate("mk,kn->mn", x, k, name)[0, 0].item() for name in INT8_KERNELS]
-    [127, 127]
-    """
-    return _ACCUMULATE[_resolve_einsum_kernel(kernel, equation)](equation, x_q, kernel_q, kernel_colsum)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 6))
@@ -308,16 +148,6 @@ def _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype, kernel_
     acc = int8_accumulate(equation, x_q, kernel_q, kernel, kernel_colsum)
     y = _rescale(equation, acc, x_scale, kernel_scale)
     return y.astype(compute_dtype), (x, kernel_q, kernel_scale, kernel_colsum)
-
-
-def _is_matmul(equation: str) -> bool:
-    """Whether the einsum is ``x[free_x, c] @ kernel[c, free_k]`` as laid out (no transposes)."""
-    plan = _matmul_plan(equation)
-    if plan is None:
-        return False
-    lhs, rhs, out = _einsum_spec(equation)
-    free_x, summed, free_k = plan
-    return lhs == free_x + summed and rhs == summed + free_k and out == free_x + free_k
 
 
 def _int8_einsum_bwd(equation, compute_dtype, kernel, residuals, g):
