@@ -199,9 +199,12 @@ def cached_model(cache_dir: str | os.PathLike, name: str, train: Callable[[], An
     if (directory / "model.json").is_file() or (directory / "weights.npz").is_file():
         try:
             return nn.load(directory, custom_objects=custom_objects)
-        except (serialization.DamagedSaveError, FileNotFoundError) as e:
-            warnings.warn(f"The cached model {str(directory)!r} is damaged or incomplete; training it again. ({e})",
+        except serialization.DamagedSaveError as e:
+            warnings.warn(f"The cached model {str(directory)!r} is damaged ({e.detail}); training it again.",
                           UserWarning, stacklevel=2)
+        except FileNotFoundError:
+            warnings.warn(f"The cached model {str(directory)!r} is incomplete; training it again.", UserWarning,
+                          stacklevel=2)
     model = train()
     nn.save(model, directory)
     return model

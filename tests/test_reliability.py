@@ -510,7 +510,8 @@ def test_a_damaged_cached_model_is_trained_again_with_a_warning(tmp_path):
     assert len(trained) == 1
     weights = tmp_path / "exp-v1" / "weights.npz"
     weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.warns(UserWarning, match=r"The cached model '.*exp-v1' is damaged .*training it again.*BadZipFile"):
+    with pytest.warns(UserWarning, match=r"The cached model '.*exp-v1' is damaged \(weights.npz is not a readable "
+                                         r".npz archive \(BadZipFile: .*\)\); training it again.$"):
         second = experiment.cached_model(tmp_path, "exp-v1", train)
     assert len(trained) == 2
     assert not np.array_equal(np.asarray(first.kernel), np.asarray(second.kernel))  # a new model (another seed)
@@ -519,6 +520,38 @@ def test_a_damaged_cached_model_is_trained_again_with_a_warning(tmp_path):
     np.testing.assert_array_equal(np.asarray(third.kernel), np.asarray(second.kernel))
     with zipfile.ZipFile(weights) as archive:
         assert archive.testzip() is None
+
+
+CACHED = textwrap.dedent('''
+    import jax, numpy as np
+    from autopolicy import nn
+    from autopolicy.experiment import Experiment, cached_model
+
+    def build(cache_dir):
+        x = np.ones((2, 3), np.float32)
+        model = cached_model(cache_dir, "cached-v1", lambda: nn.Dense(2).build(jax.random.key(0), x))
+        return Experiment(name="cached", model=model, eval_fn=lambda m: 1.0, sample_input=x)
+''')
+
+
+@pytest.mark.slow
+def test_the_command_line_rebuilds_a_damaged_experiment_cache_with_a_one_line_warning(tmp_path):
+    exp = _experiment_file(tmp_path, CACHED, "cached.py")
+    env = {**os.environ, "AUTOPOLICY_CACHE": str(tmp_path / "cache")}
+    # --max-drop 1.5 stops the run right after build(): this test is about the cache.
+    argv = [sys.executable, "-m", "autopolicy", "tune", exp, "--out", str(tmp_path / "out"), "--max-drop", "1.5"]
+    first = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    weights = tmp_path / "cache" / "cached-v1" / "weights.npz"
+    assert first.returncode == 2 and "warning" not in first.stderr and weights.is_file()
+    weights.write_bytes(weights.read_bytes()[:60])  # truncated, as by a full disk or a crash
+    damaged = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = damaged.stderr.splitlines()
+    assert damaged.returncode == 2 and len(lines) == 3, damaged.stderr
+    assert lines[1] == (f"autopolicy tune: warning: The cached model {str(weights.parent)!r} is damaged (weights.npz "
+                        "is not a readable .npz archive (BadZipFile: File is not a zip file)); training it again.")
+    assert lines[2].startswith("autopolicy tune: error: A relative max_drop is a fraction of the float32 metric")
+    again = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "warning" not in again.stderr and len(again.stderr.splitlines()) == 2  # rebuilt: loaded as it is
 
 
 def test_a_map_key_matching_no_layer_warns_with_the_nearest_paths():

@@ -92,7 +92,20 @@ def save(model: Module, directory: str | os.PathLike) -> None:
 
 
 class DamagedSaveError(ValueError):
-    """A saved model whose files are damaged (truncated, garbled, or not matching each other)."""
+    """A saved model whose files are damaged (truncated, garbled, or not matching each other).
+
+    Attributes:
+      directory: The saved model's directory.
+      detail: What is wrong, e.g. ``"weights.npz is not a readable .npz archive (...)"``.
+    """
+
+    def __init__(self, directory: str, detail: str):
+        super().__init__(
+            f"The saved model in {directory!r} is damaged: {detail}. Save the model again with nn.save, or restore "
+            "its files from a backup."
+        )
+        self.directory = directory
+        self.detail = detail
 
 
 class _Damaged(Exception):
@@ -258,8 +271,5 @@ def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = 
         model = _rebuild(manifest, classes, directory)
         values = _weights(_read(directory, WEIGHTS_FILE), model, manifest["dtypes"])
     except _Damaged as e:
-        raise DamagedSaveError(
-            f"The saved model in {directory!r} is damaged: {e}. Save the model again with nn.save, or restore its "
-            "files from a backup."
-        ) from None
+        raise DamagedSaveError(directory, str(e)) from None
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(model), values)
