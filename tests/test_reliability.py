@@ -575,7 +575,7 @@ HOLDER = textwrap.dedent('''
 ''')
 
 
-def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holder_is_taken_over(tmp_path, capsys):
+def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holder_is_taken_over(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)
     try:
@@ -591,11 +591,20 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holder_is_taken_ov
         assert err.startswith(f"autopolicy tune: error: {str(run)!r} is in use by process {holder.pid}: ")
         with pytest.raises(_rundir.RunDirectoryLocked, match=str(holder.pid)):
             MeasurementCache(run)
+        with monkeypatch.context() as patched:  # where flock is missing: the live process id decides
+            patched.setattr(_rundir, "fcntl", None)
+            with pytest.raises(_rundir.RunDirectoryLocked, match=f"in use by process {holder.pid}:"):
+                _rundir.RunLock(run).acquire()
     finally:
         holder.kill()
         holder.wait()
         holder.stdout.close()
     assert (run / _rundir.LOCK_FILE).read_text().strip() == str(holder.pid)  # the dead holder's id is left
+    with monkeypatch.context() as patched:
+        patched.setattr(_rundir, "fcntl", None)
+        with _rundir.RunLock(run):  # without flock too, a dead holder's lock is taken over
+            assert (run / _rundir.LOCK_FILE).read_text().strip() == str(os.getpid())
+    (run / _rundir.LOCK_FILE).write_text(f"{holder.pid}\n")  # as the killed holder left it
     (run / ".tmp-abcd-measurements.json").write_text('{"half')  # what a writer killed mid-write leaves
     (run / ".tmp-probe-x").write_text("")
     with MeasurementCache(run) as cache:  # the stale lock is taken over, the orphans removed

@@ -167,7 +167,8 @@ def _class_names(config: Any) -> set[str]:
         return set().union(*(_class_names(v) for v in config))
     if not isinstance(config, dict):
         return set()
-    names = {config["class"]} if {"class", "args", "kwargs"} <= set(config) and isinstance(config["class"], str) else set()
+    call = {"class", "args", "kwargs"} <= set(config) and isinstance(config["class"], str)
+    names = {config["class"]} if call else set()
     return names.union(*(_class_names(v) for v in config.values()))
 
 
@@ -261,7 +262,9 @@ def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = 
     ...     load(d)
     Traceback (most recent call last):
     ...
-    autopolicy.nn.serialization.DamagedSaveError: The saved model in '...' is damaged: weights.npz is not a readable .npz archive (...). Save the model again with nn.save, or restore its files from a backup.
+    autopolicy.nn.serialization.DamagedSaveError: The saved model in '...' is damaged: weights.npz
+    is not a readable .npz archive (...). Save the model again with nn.save, or restore its files
+    from a backup.
     """
     directory = _json.check_path(directory, "directory")
     classes = {**_config.registered(), **(custom_objects or {})}

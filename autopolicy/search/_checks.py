@@ -91,7 +91,8 @@ def check_budget(max_drop: Any, relative: Any) -> None:
     >>> check_budget(1.5, relative=True)
     Traceback (most recent call last):
     ...
-    ValueError: A relative max_drop is a fraction of the float32 metric, at most 1 (100%). Received: max_drop=1.5 (150%); for an absolute drop pass relative=False (--absolute).
+    ValueError: A relative max_drop is a fraction of the float32 metric, at most 1 (100%).
+    Received: max_drop=1.5 (150%); for an absolute drop pass relative=False (--absolute).
     """
     if not isinstance(relative, (bool, np.bool_)):
         raise TypeError(f"relative must be True or False. Received: relative={relative!r}")
@@ -170,7 +171,8 @@ def check_sample_input(sample_input: Any) -> tuple:
     >>> check_sample_input(np.array(["a", "b"]))
     Traceback (most recent call last):
     ...
-    TypeError: sample_input holds an array of dtype <U1 and shape (2,), not numbers: pass the model's real input (a float or integer array).
+    TypeError: sample_input holds an array of dtype <U1 and shape (2,), not numbers: pass the
+    model's real input (a float or integer array).
     """
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     leaves = _leaves(args)
@@ -200,8 +202,9 @@ def input_problem(inputs: Any, policy: Any) -> str | None:
     Dense) cannot run them. An adapter can leave such candidates out for that layer, or raise
     with :func:`check_layer_input`.
 
-    >>> input_problem(np.zeros((8, 16), np.int32), "float8_from_float32")
-    "an input of dtype int32 and shape (8, 16), which 'float8_from_float32' cannot take: float8 kernels quantize floating-point inputs"
+    >>> print(input_problem(np.zeros((8, 16), np.int32), "float8_from_float32"))
+    an input of dtype int32 and shape (8, 16), which 'float8_from_float32' cannot take: float8
+    kernels quantize floating-point inputs
     >>> input_problem(np.zeros((8, 16), np.int32), "int8_from_float32") is None
     True
     """
