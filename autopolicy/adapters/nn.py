@@ -18,6 +18,7 @@ from autopolicy import policies
 from autopolicy.nn import _context
 from autopolicy.nn._module import Module
 from autopolicy.nn.calibration import calibrate
+from autopolicy.numerics import kernels
 from autopolicy.search.adapter import Program, TunableLayer, digest_arrays, register_adapter
 
 __all__ = ["NNAdapter", "LayerCall", "record_calls", "cast_floating"]
@@ -120,6 +121,7 @@ class NNAdapter:
         except Exception as e:  # pylint: disable=broad-except
             raise ValueError(f"The model failed on sample_input: {type(e).__name__}: {e}") from e
         self._modules = self.model.layers_by_path()
+        self._kernels: dict[str, dict[str, str]] = {}
         self._layers = tuple(self._describe(path) for path, call in self.calls.items()
                              if self._modules[path].tunable)
 
@@ -135,10 +137,26 @@ class NNAdapter:
     def layers(self) -> tuple[TunableLayer, ...]:
         return self._layers
 
-    def layer_program(self, path: str, policy: policies.DTypePolicy) -> Program:
+    def layer_program(self, path: str, policy: policies.DTypePolicy, kernel: str | None = None) -> Program:
         call = self.calls[path]
         args, kwargs = cast_floating((call.args, call.kwargs), policy.compute_dtype)
-        return Program(_call_layer, (args, kwargs), self._modules[path].with_dtype_policy(policy))
+        layer = self._modules[path].with_dtype_policy(policy)
+        if kernel is not None:
+            layer = layer.with_kernels({path: kernel})
+        return Program(_call_layer, (args, kwargs), layer)
+
+    def layer_kernels(self, path: str, policy: policies.DTypePolicy) -> tuple[str, ...]:
+        """The kernels of the layer's product under ``policy`` worth timing on this device
+        (:func:`autopolicy.numerics.kernels.candidate_kernels`), default first."""
+        mode = policy.quantization_mode
+        layer = self._modules[path]
+        if mode is None or mode not in layer.supported_quantization_modes:
+            return ()
+        return kernels.candidate_kernels(mode, layer.kernel_op)
+
+    def use_kernels(self, choice: dict[str, dict[str, str]]) -> None:
+        """Every later :meth:`with_policies` runs, per layer, the kernel chosen for its policy."""
+        self._kernels = {path: dict(by_policy) for path, by_policy in choice.items()}
 
     def layer_bytes(self, path: str, policy: policies.DTypePolicy) -> int:
         return int(self._modules[path].with_dtype_policy(policy).nbytes())
@@ -156,6 +174,11 @@ class NNAdapter:
 
     def with_policies(self, policy_map: policies.DTypePolicyMap) -> Module:
         model = self.model.with_dtype_policy(policy_map)
+        layers = model.layers_by_path()
+        chosen = {path: by_policy[layers[path].dtype_policy.name] for path, by_policy in self._kernels.items()
+                  if path in layers and layers[path].dtype_policy.name in by_policy}
+        if chosen:
+            model = model.with_kernels(chosen)
         if any(layer.quantization_mode == "float8" for layer in model.layers_by_path().values()):
             model = calibrate(model, self.calibration or [self.sample_args])
         return model

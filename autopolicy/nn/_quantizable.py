@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from autopolicy import policies
 from autopolicy.nn._module import Module
-from autopolicy.numerics import modes
+from autopolicy.numerics import kernels, modes
 
 __all__ = ["QuantizableKernel"]
 
@@ -48,6 +48,9 @@ class QuantizableKernel(Module):
         self.fp8 = None
         #: The static weight parameters of the stored form (int4: the block size).
         self._weights_layout = ()
+        #: The kernel (tactic) of the mode that runs the product, or None for the device's
+        #: default (``autopolicy.numerics.kernels.default_kernel``). Set by ``with_kernels``.
+        self.quantization_kernel = None
 
     def kernel_contract_axes(self) -> tuple[int, ...]:
         raise NotImplementedError
@@ -62,7 +65,12 @@ class QuantizableKernel(Module):
         """
         entry = modes.numerics_of(self._weights_mode)
         weights = {name: getattr(self, name) for name in ("kernel",) + entry.state}
-        return entry.kernel(self.kernel_op)(
+        chosen = self.__dict__.get("quantization_kernel")
+        if chosen is not None:
+            fn = kernels.kernel_spec(self._weights_mode, chosen).fn(self.kernel_op)
+        else:
+            fn = entry.kernel(self.kernel_op)
+        return fn(
             *args, weights=weights, layout=self._weights_layout, compute_dtype=compute_dtype, **kwargs
         )
 
@@ -98,7 +106,25 @@ class QuantizableKernel(Module):
         self._weights_mode = entry.name
         self._weights_layout = entry.layout(policy)
 
+    def kernel_choices(self) -> tuple[str, ...]:
+        """The kernels (tactics) that can run this layer's product under its current policy, the
+        device's default first; ``()`` when its mode has no choice of kernels (float, int4).
+
+        >>> import autopolicy.nn as nn
+        >>> layer = nn.Dense(8).build(jax.random.key(0), jnp.ones((2, 4))).quantize("int8")
+        >>> sorted(layer.kernel_choices())
+        ['s8s8', 'u8s8']
+        """
+        mode = self._weights_mode
+        if mode is None:
+            return ()
+        names = tuple(s.name for s in kernels.kernel_specs(mode) if self.kernel_op in s.op_names)
+        default = kernels.default_kernel(mode, self.kernel_op)
+        return tuple(sorted(names, key=lambda n: n != default))
+
     def _convert_weights(self, old: Module) -> None:
+        if (old._weights_mode, old._weights_layout) != self._target_form():
+            self.quantization_kernel = None  # a kernel names a tactic of the old form's mode
         old_form = (old._weights_mode, old._weights_layout)
         new_form = self._target_form()
         if old_form[0] is not None and old_form != new_form:

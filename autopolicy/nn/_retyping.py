@@ -150,6 +150,68 @@ class Retyping:
             logger.warning("quantize(%r) skipped layers without such a kernel: %s", mode, skipped)
         return new
 
+    def with_kernels(self, kernels: Any) -> Any:
+        """Returns a copy whose quantized layers run the named kernels (tactics).
+
+        A quantization mode may have several exactly equivalent kernels (int8: ``"s8s8"``, XLA's
+        s8 x s8 -> s32 dot, and ``"u8s8"``, the u8 x s8 dot of VNNI/AMX CPUs; see
+        :mod:`autopolicy.numerics.kernels`); which is faster depends on the machine and the
+        shape, so the search times them and records its choice here. A layer without an entry
+        (or with None) runs the device's default. Changing a layer's policy later resets its
+        choice.
+
+        Args:
+          kernels: ``{layer path: kernel name or None}`` (a single layer may also take a name).
+
+        Raises:
+          ValueError: for a path that is not a layer of this module, a layer that is not
+            quantized, or a kernel its mode has not (naming the layer's choices).
+
+        >>> import autopolicy.nn as nn
+        >>> model = nn.Sequential([nn.Dense(8, name="a")], name="m")
+        >>> model = model.build(jax.random.key(0), jnp.ones((2, 4))).quantize("int8")
+        >>> model.with_kernels({"m/a": "s8s8"}).layers_by_path()["m/a"].quantization_kernel
+        's8s8'
+        >>> model.with_kernels({"m/a": "vnni"})
+        Traceback (most recent call last):
+        ...
+        ValueError: Invalid kernel for 'm/a' (int8, einsum). Expected one of ['s8s8', 'u8s8'] or None. Received: 'vnni'
+        """
+        modules = self.modules()
+        if isinstance(kernels, str) and not self.children():
+            kernels = {self.path: kernels}
+        if not isinstance(kernels, dict):
+            raise TypeError(f"with_kernels takes a dict {{layer path: kernel name}}. Received: {kernels!r}")
+        for path, name in kernels.items():
+            layer = modules.get(path)
+            if layer is None:
+                close = difflib.get_close_matches(str(path), list(modules), n=3, cutoff=0.5)
+                raise ValueError(f"with_kernels: {path!r} is not a layer path of {self.path!r}"
+                                 + (f"; did you mean {close}?" if close else f"; paths: {list(modules)[:6]}"))
+            choices = layer.kernel_choices() if hasattr(layer, "kernel_choices") else ()
+            if name is not None and name not in choices:
+                if not choices:
+                    raise ValueError(f"{path!r} (policy {layer.dtype_policy.name!r}) has no choice of kernels; "
+                                     f"only quantized int8 and float8 layers do. Received: {name!r}")
+                raise ValueError(f"Invalid kernel for {path!r} ({layer.quantization_mode}, {layer.kernel_op}). "
+                                 f"Expected one of {sorted(choices)} or None. Received: {name!r}")
+        return self._with_kernels(kernels)
+
+    def _with_kernels(self, kernels: dict) -> Any:
+        if self.path in kernels and not self.children():
+            return self._copy(quantization_kernel=kernels[self.path])
+        if not any(p == self.path or p.startswith(self.path + "/") for p in kernels):
+            return self
+        new = self._copy(mutable=True)
+        map_children(new, lambda child: child._with_kernels(kernels))
+        new._freeze()
+        return new
+
+    def kernels(self) -> dict[str, str]:
+        """``{layer path: kernel}`` for every layer that runs a kernel chosen by ``with_kernels``."""
+        return {p: m.quantization_kernel for p, m in self.modules().items()
+                if m.__dict__.get("quantization_kernel") is not None}
+
     def _retyped(self, lookup: Callable[[str], DTypePolicy], skipped: list[str]) -> Any:
         policy = lookup(self.path)
         new = self._copy(mutable=True, _policy_source=policy, _dtype_explicit=True)

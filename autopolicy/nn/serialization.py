@@ -54,7 +54,8 @@ def save(model: Module, directory: str | os.PathLike) -> None:
     """Writes ``model`` (built; float, quantized or float8) to ``directory``.
 
     Files: ``model.json`` (constructor arguments, build input shapes, the policy of every layer
-    as a Keras ``DTypePolicyMap``, array dtypes) and ``weights.npz``; each written atomically.
+    as a Keras ``DTypePolicyMap``, the kernels chosen by ``with_kernels``, array dtypes) and
+    ``weights.npz``; each written atomically.
 
     Raises:
       ValueError: if the model is not built or a constructor argument has no JSON form (a
@@ -82,6 +83,7 @@ def save(model: Module, directory: str | os.PathLike) -> None:
         "config": json.loads(model._config),
         "build_inputs": json.loads(spec),
         "policy_map": policies.serialize(_policy_map(model)),
+        "kernels": model.kernels(),
         "dtypes": dtypes,
     }
     buffer = io.BytesIO()
@@ -188,7 +190,8 @@ def _rebuild(manifest: dict[str, Any], classes: dict[str, type], directory: str)
     try:
         model = model.with_dtype_policy(policies.deserialize(manifest["policy_map"]))
         inputs = manifest["build_inputs"]
-        return model.build(jax.random.key(0), *_zeros(inputs["args"]), **_zeros(inputs["kwargs"]))
+        model = model.build(jax.random.key(0), *_zeros(inputs["args"]), **_zeros(inputs["kwargs"]))
+        return model.with_kernels(dict(manifest.get("kernels") or {}))
     except _Damaged:
         raise
     except Exception as e:  # pylint: disable=broad-except

@@ -10,8 +10,9 @@ output). Packing: byte ``i`` holds row ``i`` in its low nibble and row ``i + cei
 high one, so each half unpacks with one shift and no interleaving.
 
 The product: unpack the nibbles to int8 and multiply them with the inputs quantized to int8 per
-row, accumulating in int32 (on the CPU through the u8 x s8 VNNI path of
-:mod:`autopolicy.numerics._u8s8_dot`, as int8 does), one accumulator per block, each rescaled by
+row, accumulating in int32 (on CPUs with VNNI or AMX through the u8 x s8 path of
+:mod:`autopolicy.numerics._u8s8_dot`, as int8's default kernel does there; elsewhere XLA's
+s8 x s8 dot), one accumulator per block, each rescaled by
 its block's scale. The alternative, dequantizing the kernel to float and multiplying in float,
 was measured slower: the dequantized kernel costs a float32 product plus the unpacking.
 Medians of 7 rounds of 30 jitted calls, microseconds, on the 2-core AVX-512 VNNI CPU this was
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.numerics import _u8s8_dot
+from autopolicy.numerics import _int8_accumulate, _u8s8_dot
 from autopolicy.numerics.int8 import INT8_MAX
 
 __all__ = [
@@ -195,7 +196,8 @@ def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype):
     amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
     x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
     xq = jnp.clip(jnp.round(xf * (1.0 / x_scale)), -INT8_MAX, INT8_MAX)
-    u8 = _u8s8_dot.AVAILABLE and jax.default_backend() == "cpu"
+    # The u8 x s8 dot only where it is fast (VNNI/AMX), as int8's default kernel.
+    u8 = jax.default_backend() == "cpu" and _int8_accumulate.default_int8_kernel() == "u8s8"
     if u8:
         xin = (xq + 128.0).astype(jnp.uint8)
         if rows == 1:  # YNNPACK's kernel needs two rows; a copy costs less than the slow path.

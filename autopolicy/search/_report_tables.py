@@ -12,6 +12,7 @@ import pandas as pd
 from autopolicy.search import hardware, solver
 from autopolicy.search._defaults import BUDGET_TOLERANCE, REFERENCE
 from autopolicy.search.phases import AccuracyProfile, Budget, Configuration, LatencyProfile, Status
+from autopolicy.search.profiling import format_tactics
 from autopolicy.search.verify import make_problem
 
 FRONTIER_COLUMNS = ("source", "name", "predicted_accuracy_cost", "predicted_metric", "predicted_latency_s",
@@ -34,6 +35,7 @@ def profile_frame(latency: LatencyProfile, accuracy: AccuracyProfile, chosen: Co
                 "policy": policy.name,
                 "compute_dtype": policy.compute_dtype,
                 "kernel": t.kernel,
+                "tactics": format_tactics(t.tactics),
                 "latency_s": t.latency_s,
                 "latency_p25_s": t.latency_p25_s,
                 "latency_p75_s": t.latency_p75_s,

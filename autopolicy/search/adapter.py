@@ -61,6 +61,8 @@ __all__ = [
     "register_adapter",
     "get_adapter",
     "digest_arrays",
+    "KERNEL_METHODS",
+    "supports_kernels",
 ]
 
 
@@ -145,6 +147,22 @@ class ModelAdapter(Protocol):
 
     def weights_digest(self) -> str:
         """A hash of the model's weights: part of the key of every cached accuracy figure."""
+
+
+#: Optional adapter methods for modes with several kernels (tactics); an adapter without them
+#: runs each mode's default kernel and the search times one kernel per policy:
+#:
+#: - ``layer_kernels(path, policy) -> tuple[str, ...]``: the kernels worth timing for the layer
+#:   under ``policy`` on this device, its default first (``()``: no choice).
+#: - ``layer_program(path, policy, kernel=None)``: the layer's program running ``kernel``.
+#: - ``use_kernels(choice)``: ``choice`` maps a layer path to ``{policy name: kernel}``, the
+#:   fastest kernel of each policy; every later :meth:`ModelAdapter.with_policies` runs them.
+KERNEL_METHODS = ("layer_kernels", "use_kernels")
+
+
+def supports_kernels(adapter: Any) -> bool:
+    """Whether ``adapter`` offers a choice of kernels (:data:`KERNEL_METHODS`)."""
+    return all(callable(getattr(adapter, name, None)) for name in KERNEL_METHODS)
 
 
 AdapterFactory = Callable[[Any, tuple, list], ModelAdapter]

@@ -15,48 +15,35 @@ from typing import Any
 import jax
 
 from autopolicy._version import __version__
+from autopolicy.numerics import device as device_info
 
-__all__ = ["detect", "fingerprint", "describe", "CPU_FEATURES"]
+__all__ = ["detect", "fingerprint", "describe", "device_of", "CPU_FEATURES"]
 
-# CPU flags that decide which low-precision kernels can be fast.
-CPU_FEATURES = (
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512_vnni",
-    "avx_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "asimd",  # Arm NEON
-    "asimddp",  # Arm dot product (int8)
-    "bf16",  # Arm bfloat16
-    "i8mm",  # Arm int8 matrix multiply
-)
-
+#: CPU flags that decide which low-precision kernels can be fast (shared with the kernels).
+CPU_FEATURES = device_info.CPU_FEATURES
 
 def _cpu_info() -> dict[str, Any]:
-    model, flags = None, set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip().lower()
-                if key in ("model name", "cpu model") and model is None:
-                    model = value.strip()
-                elif key in ("flags", "features"):
-                    flags.update(value.split())
-    except OSError:
-        pass
+    model, flags = device_info.read_cpuinfo()
     return {
         "model": model or platform.processor() or platform.machine(),
-        "features": [f for f in CPU_FEATURES if f in flags],
+        "features": list(device_info.known_cpu_features(flags)),
         "cores": os.cpu_count(),
     }
+
+
+def device_of(info: dict[str, Any]) -> device_info.Device:
+    """The :class:`~autopolicy.numerics.device.Device` that :func:`detect`'s ``info`` describes
+    (what the kernel defaults read).
+
+    >>> info = {"platform": "cpu", "device_kind": "cpu", "cpu": {"features": ["avx2", "fma"]}}
+    >>> device_of(info).has_vnni
+    False
+    """
+    platform_name = {"cuda": "gpu", "rocm": "gpu"}.get(info["platform"], info["platform"])
+    if platform_name not in device_info.PLATFORMS:
+        platform_name = "other"
+    return device_info.Device(platform_name, str(info.get("device_kind", "")), tuple(info["cpu"]["features"]),
+                              info.get("compute_capability"))
 
 
 def detect() -> dict[str, Any]:

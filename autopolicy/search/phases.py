@@ -76,8 +76,9 @@ class LayerTiming:
     inner: int
     finite: bool  # its output on the real input is free of inf/NaN
     nbytes: int
-    kernel: str = ""  # the kernel (tactic) it runs, where its mode has several
+    kernel: str = ""  # the kernel (tactic) it runs, where its mode names one
     output_error: float = math.nan  # relative squared error of its output vs float32 on the real input
+    tactics: tuple[tuple[str, float], ...] = ()  # (kernel, median seconds) of every kernel timed
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "LayerTiming":

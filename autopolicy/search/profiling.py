@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any, Iterable, Sequence
@@ -14,12 +15,12 @@ from autopolicy import policies
 from autopolicy.search import timing
 from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
 from autopolicy.search._progress import progress as bar
-from autopolicy.search.adapter import ModelAdapter, TunableLayer
+from autopolicy.search.adapter import ModelAdapter, TunableLayer, supports_kernels
 from autopolicy.search.cache import MeasurementCache, key
 from autopolicy.search.noise import NOISY_CV
 from autopolicy.search.phases import LatencyProfile, LayerTiming, Site
 
-__all__ = ["sites", "candidates_for", "measure_latency", "layer_latency", "relative_error", "cast_latency", "profile"]
+__all__ = ["sites", "candidates_for", "measure_latency", "layer_latency", "kernel_choice", "format_tactics", "relative_error", "cast_latency", "profile"]
 
 
 def candidates_for(layer: TunableLayer, candidates: Sequence[policies.DTypePolicy]) -> tuple[policies.DTypePolicy, ...]:
@@ -67,6 +68,26 @@ def relative_error(reference: Any, output: Any) -> float:
     return num / den if den > 0 and math.isfinite(num) else math.nan
 
 
+#: Another kernel replaces the device's default only when its median is this much lower (the
+#: kernels are exactly equivalent: a choice made by noise would only make runs disagree).
+TACTIC_MARGIN = 0.05
+
+
+def _variants(adapter: ModelAdapter, site: Site) -> list[tuple[policies.DTypePolicy, str | None]]:
+    """(policy, kernel) pairs to time: one per kernel the adapter offers for the policy, or
+    (policy, None) where its mode has no choice (or the adapter offers none)."""
+    offers = supports_kernels(adapter)
+    out = []
+    for policy in site.candidates:
+        names = tuple(adapter.layer_kernels(site.path, policy)) if offers else ()
+        out += [(policy, name) for name in names] or [(policy, None)]
+    return out
+
+
+def _variant_name(policy: policies.DTypePolicy, kernel: str | None) -> str:
+    return policy.name if kernel is None else f"{policy.name}@{kernel}"
+
+
 def layer_latency(
     adapter: ModelAdapter,
     site: Site,
@@ -77,43 +98,80 @@ def layer_latency(
 ) -> dict[str, LayerTiming]:
     """Times the layer under each of its candidates (interleaved) on its real input.
 
+    A policy whose mode has several kernels (tactics) is timed with each of them, at the layer's
+    real shape, and keeps the fastest (its ``kernel``; every kernel's median is in ``tactics``).
     Layers with equal signatures share their cached timings: identical blocks are timed once. A
     cached timing whose spread says it was noisy is measured again, once, in a later run.
     ``finite`` says whether the output on the real input is free of inf/NaN (a float16 overflow
     disqualifies the policy).
     """
     fresh = set() if fresh is None else fresh  # keys measured in this run: trusted as they are
-    out: dict[str, LayerTiming] = {}
+    records: dict[str, dict] = {}
     todo: dict[str, timing.Candidate] = {}
     keys, again = {}, {}
-    for policy in site.candidates:
-        keys[policy.name] = key(fingerprint, "latency", site.layer.signature, policy.name, repeats, timing.METHOD)
-        cached = cache.lookup(keys[policy.name])
+    variants = _variants(adapter, site)
+    for policy, kernel in variants:
+        name = _variant_name(policy, kernel)
+        keys[name] = key(fingerprint, "latency", site.layer.signature, policy.name, kernel or "", repeats,
+                         timing.METHOD)
+        cached = cache.lookup(keys[name])
         # A noisy timing from an earlier run is measured again (once) rather than trusted.
-        trusted = cached is not None and (keys[policy.name] in fresh or cached.get("latency_cv", 0.0) <= NOISY_CV
+        trusted = cached is not None and (keys[name] in fresh or cached.get("latency_cv", 0.0) <= NOISY_CV
                                           or cached.get("remeasured", True))
         if trusted:
-            out[policy.name] = LayerTiming.from_record(cached)
+            records[name] = cached
             continue
-        again[policy.name] = cached is not None
-        program = adapter.layer_program(site.path, policy)
-        todo[policy.name] = _as_candidate(program)
+        again[name] = cached is not None
+        program = adapter.layer_program(site.path, policy, kernel) if kernel else adapter.layer_program(site.path, policy)
+        todo[name] = _as_candidate(program)
     if todo:
         timings = timing.measure(todo, repeats=repeats)
         reference = None
-        for name, cand in todo.items():
+        ref = todo.get(REFERENCE) or _as_candidate(adapter.layer_program(site.path, policies.get(REFERENCE)))
+        for (policy, kernel) in variants:
+            name = _variant_name(policy, kernel)
+            if name not in todo:
+                continue
+            cand = todo[name]
             result = jax.jit(cand.fn)(cand.state, *cand.inputs)
             if reference is None:
-                ref = todo.get(REFERENCE) or _as_candidate(adapter.layer_program(site.path, policies.get(REFERENCE)))
                 reference = result if name == REFERENCE else jax.jit(ref.fn)(ref.state, *ref.inputs)
             t = timings[name]
             record = {"latency_s": t.median, "latency_p25_s": t.p25, "latency_p75_s": t.p75, "latency_cv": t.cv,
                       "repeats": t.repeats, "inner": t.inner, "finite": _finite(result),
-                      "nbytes": adapter.layer_bytes(site.path, policies.get(name)), "remeasured": again[name],
-                      "output_error": relative_error(reference, result)}
-            out[name] = LayerTiming.from_record(cache.put(keys[name], record))
+                      "nbytes": adapter.layer_bytes(site.path, policy), "remeasured": again[name],
+                      "output_error": relative_error(reference, result), "kernel": kernel or ""}
+            records[name] = cache.put(keys[name], record)
             fresh.add(keys[name])
-    return {p.name: out[p.name] for p in site.candidates}
+    out = {}
+    for policy in site.candidates:
+        mine = [(_variant_name(p, k), k) for p, k in variants if p == policy]
+        best = mine[0][0]  # the device's default kernel, unless another is clearly faster
+        fastest = min(mine, key=lambda nk: records[nk[0]]["latency_s"])[0]
+        if records[fastest]["latency_s"] < (1.0 - TACTIC_MARGIN) * records[best]["latency_s"]:
+            best = fastest
+        tactics = tuple((k, records[n]["latency_s"]) for n, k in mine if k)
+        out[policy.name] = dataclasses.replace(LayerTiming.from_record(records[best]), tactics=tactics)
+    return out
+
+
+def format_tactics(tactics: Sequence[tuple[str, float]]) -> str:
+    """``"s8s8 1.21 ms, u8s8 3.02 ms"``: every kernel timed ("" when there was one or none).
+
+    >>> format_tactics((("s8s8", 1.21e-3), ("u8s8", 3.02e-3)))
+    's8s8 1.21 ms, u8s8 3.02 ms'
+    """
+    if len(tactics) < 2:
+        return ""
+    return ", ".join(f"{name} {seconds * 1e3:.3g} ms" for name, seconds in tactics)
+
+
+def kernel_choice(latency: LatencyProfile) -> dict[str, dict[str, str]]:
+    """``{layer path: {policy name: kernel}}``: the fastest kernel of each policy of each layer,
+    where its mode has several (what :func:`layer_latency` measured)."""
+    return {path: {name: t.kernel for name, t in by_policy.items() if len(t.tactics) > 1}
+            for path, by_policy in latency.timings.items()
+            if any(len(t.tactics) > 1 for t in by_policy.values())}
 
 
 def cast_latency(
@@ -181,7 +239,8 @@ def profile(
     """Latency only: every tunable layer under every candidate, as a DataFrame.
 
     Columns: ``layer, class, input_shape, policy, latency_s, latency_cv, ratio_to_float32,
-    finite_output, nbytes``. No accuracy is measured (see :func:`autopolicy.search.tune`).
+    finite_output, nbytes, kernel, tactics`` (``kernel``: the kernel timed fastest where the
+    mode names one; ``tactics``: every kernel's median where there were several). No accuracy is measured (see :func:`autopolicy.search.tune`).
     """
     import pandas as pd  # pylint: disable=import-outside-toplevel
 
@@ -205,6 +264,7 @@ def profile(
                     "input_shape": "x".join(map(str, site.input_shape)), "policy": name,
                     "latency_s": t.latency_s, "latency_cv": t.latency_cv,
                     "ratio_to_float32": table[REFERENCE].latency_s / t.latency_s,
-                    "finite_output": t.finite, "nbytes": t.nbytes,
+                    "finite_output": t.finite, "nbytes": t.nbytes, "kernel": t.kernel,
+                    "tactics": format_tactics(t.tactics),
                 })
     return pd.DataFrame(rows)

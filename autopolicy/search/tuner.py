@@ -13,7 +13,7 @@ from autopolicy import policies
 from autopolicy.search import _checks, accuracy as accuracy_phase, hardware, latency_model, noise, profiling, verify
 from autopolicy.search._context import Context
 from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
-from autopolicy.search.adapter import AdapterFactory, digest_arrays, get_adapter
+from autopolicy.search.adapter import AdapterFactory, digest_arrays, get_adapter, supports_kernels
 from autopolicy.search.cache import MeasurementCache, key
 from autopolicy.search.endtoend import EndToEnd
 from autopolicy.search.phases import Budget
@@ -143,9 +143,12 @@ def tune(
             progress=progress,
             reference_model=reference_model)
         latency = profiling.measure_latency(made, layer_sites, cache, fingerprint, repeats, progress)
+        kernels = profiling.kernel_choice(latency)
+        if supports_kernels(made):  # every model built from here on runs the fastest kernels
+            made.use_kernels(kernels)
         models: verify.Models = {}
         uniform_configs = verify.uniforms(ctx, latency, models)
-        e2e = EndToEnd(made, models, cache, fingerprint, ctx.digest, [list(np.shape(a)) for a in args])
+        e2e = EndToEnd(made, models, cache, fingerprint, key(ctx.digest, kernels), [list(np.shape(a)) for a in args])
         e2e.time_group(uniform_configs, repeats, "calibration")
         calibration = latency_model.fit(latency, [(u.assignment, e2e.summary(u).median) for u in uniform_configs])
         tried, settled = ([], False) if profile_accuracy == "always" else verify.fastest_first(

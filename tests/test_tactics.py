@@ -1,0 +1,116 @@
+"""Kernels as tactics: a layer's choice of kernel (with_kernels), saved with the model, timed per
+kernel by the search at the layer's real shape and run by the tuned model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopolicy.nn as nn
+from autopolicy import policies, search
+from autopolicy.numerics import kernels
+from autopolicy.numerics.device import Device
+from autopolicy.search import profiling
+from autopolicy.search.adapter import get_adapter
+from autopolicy.search.cache import MeasurementCache
+from autopolicy.search.phases import LatencyProfile
+from tests.helpers import gaussian
+
+VNNI = Device("cpu", "stand-in Xeon", cpu_features=("avx2", "avx512f", "avx512_vnni"))
+AVX2 = Device("cpu", "stand-in EPYC", cpu_features=("avx2", "fma"))
+X = gaussian((64, 48), seed=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    mlp = nn.Sequential([nn.Dense(96, activation="relu", name="a"), nn.Dense(32, name="b")], name="m")
+    return mlp.build(jax.random.key(0), X)
+
+
+def test_with_kernels_runs_each_kernel_bit_identically_and_names_them(model):
+    quantized = model.quantize("int8")
+    y = np.asarray(quantized(X))
+    for name in ("s8s8", "u8s8"):
+        chosen = quantized.with_kernels({"m/a": name, "m/b": name})
+        assert chosen.kernels() == {"m/a": name, "m/b": name}
+        np.testing.assert_array_equal(np.asarray(chosen(X)), y)
+    assert quantized.kernels() == {}
+
+
+def test_with_kernels_refuses_bad_paths_kernels_and_float_layers(model):
+    quantized = model.quantize("int8")
+    with pytest.raises(ValueError, match=r"Expected one of \['s8s8', 'u8s8'\] or None. Received: 'vnni'"):
+        quantized.with_kernels({"m/a": "vnni"})
+    with pytest.raises(ValueError, match=r"'m/c' is not a layer path of 'm'; did you mean"):
+        quantized.with_kernels({"m/c": "s8s8"})
+    with pytest.raises(ValueError, match=r"'m/a' \(policy 'float32'\) has no choice of kernels"):
+        model.with_kernels({"m/a": "s8s8"})
+    with pytest.raises(TypeError, match="takes a dict"):
+        quantized.with_kernels(["s8s8"])
+
+
+def test_a_new_policy_resets_the_kernel_choice(model):
+    chosen = model.with_dtype_policy("float8_from_float32").with_kernels({"m/a": "emulated"})
+    assert chosen.kernels() == {"m/a": "emulated"}
+    assert chosen.with_dtype_policy("float32").kernels() == {}
+
+
+def test_the_kernel_choice_is_saved_with_the_model(model, tmp_path):
+    chosen = model.quantize("int8").with_kernels({"m/b": "u8s8"})
+    nn.save(chosen, tmp_path / "saved")
+    loaded = nn.load(tmp_path / "saved")
+    assert loaded.kernels() == {"m/b": "u8s8"}
+    np.testing.assert_array_equal(np.asarray(loaded(X)), np.asarray(chosen(X)))
+
+
+def test_kernel_choices_follow_the_device(model, monkeypatch):
+    layer = model.quantize("int8").layers_by_path()["m/a"]
+    monkeypatch.setattr(kernels, "current_device", lambda: AVX2)
+    assert layer.kernel_choices() == ("s8s8", "u8s8")
+    monkeypatch.setattr(kernels, "current_device", lambda: VNNI)
+    assert layer.kernel_choices() == ("u8s8", "s8s8")
+
+
+def test_the_search_times_every_kernel_and_keeps_the_fastest(model, monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "current_device", lambda: VNNI)  # both int8 kernels worth timing
+    adapter = get_adapter(model, (X,), [(X,)])
+    sites = profiling.sites(adapter.layers(), [policies.get("int8_from_float32")])
+    with MeasurementCache(str(tmp_path)) as cache:
+        fresh = set()  # measured in this run: reused as they are, however noisy
+        table = profiling.layer_latency(adapter, sites[0], cache, "fp", repeats=3, fresh=fresh)
+        again = profiling.layer_latency(adapter, sites[0], cache, "fp", repeats=3, fresh=fresh)
+        assert (cache.hits, cache.misses) == (3, 3)  # float32, int8 x 2 kernels
+    int8 = table["int8_from_float32"]
+    assert [name for name, _ in int8.tactics] == ["u8s8", "s8s8"]
+    seconds = dict(int8.tactics)
+    default, other = seconds["u8s8"], seconds["s8s8"]
+    expected = "s8s8" if other < 0.95 * default else "u8s8"
+    assert int8.kernel == expected
+    assert int8.latency_s == seconds[expected]
+    assert table["float32"].kernel == "" and table["float32"].tactics == ()
+    assert again["int8_from_float32"] == int8  # the second call is served from the cache
+    choice = profiling.kernel_choice(LatencyProfile(sites[:1], {sites[0].path: table}, {}))
+    assert choice == {"m/a": {"int8_from_float32": expected}}
+    adapter.use_kernels({"m/a": {"int8_from_float32": "s8s8"}, "m/b": {"int8_from_float32": "u8s8"}})
+    built = adapter.with_policies(adapter.complete_map({"m/a": "int8_from_float32", "m/b": "int8_from_float32"}))
+    assert built.kernels() == {"m/a": "s8s8", "m/b": "u8s8"}
+    assert adapter.with_policies(adapter.complete_map({"m/a": "float32"})).kernels() == {}
+
+
+def test_a_tuned_model_runs_the_kernels_its_profile_names(model, monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "current_device", lambda: VNNI)
+    y = np.asarray(model(X))
+
+    def fidelity(m):
+        return -float(np.mean((np.asarray(m(X)) - y) ** 2))
+
+    result = search.tune(model, fidelity, X, max_drop=1.0, relative=False, repeats=3, candidates=["int8_from_float32"],
+                         progress=False, cache_dir=str(tmp_path), confirm_seconds=0)
+    profile = result.profile.set_index(["layer", "policy"])
+    for path in ("m/a", "m/b"):
+        row = profile.loc[(path, "int8_from_float32")]
+        assert row["kernel"] in ("s8s8", "u8s8")
+        assert row["tactics"].startswith("u8s8 ") and ", s8s8 " in row["tactics"]
+        if result.policy_map[path].name == "int8_from_float32":
+            assert result.model.layers_by_path()[path].kernel_choices()  # quantized
+            assert result.model.kernels().get(path) == row["kernel"]
