@@ -193,3 +193,24 @@ def test_gradients_come_back_in_the_variable_dtype():
 def test_float64_needs_x64_with_a_clear_error():
     with pytest.raises(ValueError, match="jax_enable_x64"):
         nn.Dense(2, dtype="float64").build(jax.random.key(0), jnp.ones((1, 3)))
+
+
+@pytest.mark.parametrize("policy", ["float32", "bfloat16", "mixed_bfloat16", "float16", "mixed_float16"])
+def test_embedding_gathers_rows_before_casting_and_trains(policy):
+    ids = jnp.array([[1, 2, 2, 7], [0, 9, 3, 3]])
+    emb = nn.Embedding(10, 4, dtype=policy).build(jax.random.key(1), ids)
+    reference = np.asarray(emb.kernel, np.float32)[np.asarray(ids)]
+    out = emb(ids)
+    assert out.dtype == jnp.dtype(emb.compute_dtype)
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(jnp.asarray(reference).astype(out.dtype), np.float32))
+    # The table is never cast whole (a pass over every row to read a few): no convert of it.
+    jaxpr = jax.make_jaxpr(lambda m: m(ids))(emb)
+    converts = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "convert_element_type"]
+    assert all(tuple(e.invars[0].aval.shape) != (10, 4) for e in converts)
+    weights = jnp.arange(4.0)
+    grad = jax.grad(lambda m: jnp.sum(m(ids).astype(jnp.float32) * weights))(emb).kernel
+    expected = np.zeros((10, 4), np.float32)
+    np.add.at(expected, np.asarray(ids), np.broadcast_to(np.arange(4.0), (2, 4, 4)))
+    assert grad.dtype == jnp.dtype(emb.variable_dtype)
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), expected)

@@ -51,8 +51,42 @@ class Embedding(QuantizableKernel):
             raise TypeError(f"Embedding {self.path!r} takes integer ids. Received dtype {jnp.asarray(ids).dtype}")
         self.add_weight("kernel", (self.input_dim, self.output_dim), self.embeddings_initializer)
 
+    def _compute_view(self) -> "Embedding":
+        # The rows are gathered first and cast after (the same values): casting the whole table
+        # to the compute dtype at every call, as other layers' weights are, would cost a pass
+        # over all of it (30522 x 384 for BERT) to read a few rows.
+        return self
+
     def call(self, ids: jax.Array) -> jax.Array:
         ids = jnp.asarray(ids)
         if self._weights_mode is not None:
             return self._quantized_kernel(ids, compute_dtype=self.compute_dtype)
-        return self.kernel[ids]
+        return _gather_rows(self.kernel, ids).astype(self.compute_dtype)
+
+
+@jax.custom_vjp
+def _gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``table[ids]``; a 16-bit float table is gathered as its bits (exact; the gradient is the
+    usual scatter-add into the table).
+
+    XLA:CPU runs a bfloat16 gather through float32, converting the whole table at every call:
+    for a 30522 x 384 table (BERT's) and 1024 ids, 37-40 ms against 0.4 ms for float32 on a
+    2-core AVX2 EPYC; gathered as uint16 bits, 4-7 ms (the bitcast still copies the table; a
+    table stored as uint16 would gather in 0.17 ms, but the variable keeps its policy's dtype).
+    """
+    if table.dtype.itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating):
+        bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[ids]
+        return jax.lax.bitcast_convert_type(bits, table.dtype)
+    return table[ids]
+
+
+def _gather_rows_fwd(table, ids):
+    return _gather_rows(table, ids), (jnp.zeros_like(table), ids)
+
+
+def _gather_rows_bwd(residuals, g):
+    zeros, ids = residuals
+    return zeros.at[ids].add(g.astype(zeros.dtype)), None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
