@@ -92,6 +92,7 @@ def test_int4_policies_reach_keras_quantize_with_their_block_size():
     assert _keras_layers.canonical_name(kdp.Int4DTypePolicy("int4/-1", "float32")) == "int4_from_float32"
 
 
+@pytest.mark.slow
 def test_tunable_layers_in_execution_order_with_inputs_modes_and_producers():
     made = search.get_adapter(functional_model(), (IDS,), [])
     rows = [(t.path, t.kind, t.modes, t.input_shape, t.producer) for t in made.layers()]

@@ -22,6 +22,7 @@ def test_readme_has_exactly_the_two_setup_commands():
     assert "<!-- test-command -->" in (ROOT / ".ci" / "run").read_text()
 
 
+@pytest.mark.slow
 def test_the_tour_runs(tmp_path, monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     assert len(blocks) >= 4
