@@ -94,7 +94,8 @@ def _cell_grid(ax, layers: list[str], policies: list[str]) -> None:
 
 
 def sensitivity_heatmap(run: dict[str, Any], path: str | os.PathLike) -> str:
-    """Layers x policies coloured by accuracy cost (metric drop with only that layer changed).
+    """Layers x policies coloured by accuracy cost (metric drop with only that layer changed),
+    beside the same grid coloured by the model output's SQNR where layers were scored.
 
     Cells without a measured cost are grey and hatched by reason (skipped, disqualified),
     blank ones are policies the layer has no kernel for; chosen cells are outlined. The
@@ -113,8 +114,10 @@ def sensitivity_heatmap(run: dict[str, Any], path: str | os.PathLike) -> str:
     values = cost.to_numpy(dtype=float)
     finite = values[np.isfinite(values)]
     vmax = max(float(finite.max()) if finite.size else 0.0, allowed, 1e-12)
-    fig = _plot.new_figure(3.4 + 1.35 * len(policies), 2.4 + 0.42 * len(layers))
-    ax = fig.add_subplot()
+    sqnr = _scored_sqnr(run, status)
+    panels = 1 if sqnr is None else 2
+    fig = _plot.new_figure((3.4 + 1.35 * len(policies)) * panels, 2.4 + 0.42 * len(layers))
+    ax = fig.add_subplot(1, panels, 1)
     cmap = colormaps["YlOrRd"].with_extremes(bad="white")
     image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0.0, vmax=vmax, aspect="auto")
     handles = _shade_unmeasured(ax, status) + [_outline_chosen(ax, pivot(run, "chosen").eq(True))]
@@ -128,7 +131,39 @@ def sensitivity_heatmap(run: dict[str, Any], path: str | os.PathLike) -> str:
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 2), fontsize=8, frameon=False)
     ax.set_title(f"Sensitivity: accuracy cost per layer and policy\n{_plot.device_title(run['summary'])}",
                  fontsize=10)
+    if sqnr is not None:
+        _sqnr_panel(fig, fig.add_subplot(1, 2, 2), sqnr, layers, policies)
     return _plot.save_png(fig, path)
+
+
+def _scored_sqnr(run: dict[str, Any], status: pd.DataFrame) -> np.ndarray | None:
+    """The model-output SQNR (dB) of each scored single-layer change (NaN elsewhere and for
+    float32), or None when the profile has none (a run that scored no layer)."""
+    if "sqnr_db" not in run["profile"].columns:
+        return None
+    values = pivot(run, "sqnr_db").reindex(index=status.index, columns=status.columns).to_numpy(dtype=float)
+    scored = status.eq("measured").to_numpy()
+    values = np.where(scored & np.isfinite(values), values, np.nan)
+    return values if np.isfinite(values).any() else None
+
+
+def _sqnr_panel(fig, ax, sqnr: np.ndarray, layers: list[str], policies: list[str]) -> None:
+    """The same layers x policies by the SQNR of the model's output with only that layer changed:
+    where a coarse metric (retrieval top-1) does not move, it still shows which layers lose most."""
+    finite = sqnr[np.isfinite(sqnr)]
+    low, high = float(finite.min()), float(finite.max())
+    cmap = colormaps["YlOrRd_r"].with_extremes(bad="white")
+    image = ax.imshow(np.ma.masked_invalid(sqnr), cmap=cmap, vmin=low, vmax=max(high, low + 1e-9), aspect="auto")
+    if sqnr.size <= 600:
+        for (i, j), value in np.ndenumerate(sqnr):
+            if math.isfinite(value):
+                dark = (high - value) / max(high - low, 1e-9) > 0.6
+                ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8,
+                        color="white" if dark else "black")
+    _cell_grid(ax, layers, policies)
+    fig.colorbar(image, ax=ax, label="model output SQNR vs float32 (dB; lower: more sensitive)", shrink=0.9)
+    ax.set_title("Output SQNR with only that layer changed\n(blank: float32, not scored or not a candidate)",
+                 fontsize=10)
 
 
 def _whiskers(run: dict[str, Any], policy: str, median: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
