@@ -4,6 +4,8 @@ import pathlib
 import re
 import subprocess
 
+import pytest
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
