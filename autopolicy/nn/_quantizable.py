@@ -110,6 +110,7 @@ class QuantizableKernel(Module):
         """The kernels (tactics) that can run this layer's product under its current policy, the
         device's default first; ``()`` when its mode has no choice of kernels (float, int4).
 
+        >>> import jax, jax.numpy as jnp
         >>> import autopolicy.nn as nn
         >>> layer = nn.Dense(8).build(jax.random.key(0), jnp.ones((2, 4))).quantize("int8")
         >>> sorted(layer.kernel_choices())
