@@ -127,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['configuration']} | {r['median_ms']:.3f} | {r['speedup']:.3f}x [{r['low']:.3f}, {r['high']:.3f}] "
             f"| {claim} | {r.get('changed', '—')} | "
             + (f"{r['predicted_ms']:.3f} | {r['calibrated_ms']:.3f} |" if "claimed" in r else "— | — |"))
-    noise = [r.summary.get("noise", {}).get("note", "") for r in results]
-    lines += ["", "## Verdict", ""] + verdicts + ["", "Noise seen by the tunes: " + "; ".join(
-        sorted(set(n.rstrip(".") for n in noise))) + "."]
+    lines += ["", "## Verdict", ""] + verdicts + ["", "Noise seen by the tunes:", ""]
+    for i, r in enumerate(results, 1):
+        seen = r.summary.get("noise", {})
+        lines.append(f"- tune {i}: {seen.get('note', 'not recorded')}")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
