@@ -17,6 +17,9 @@ PUBLIC_MODULES = [
     "autopolicy.search",
     "autopolicy.report",
     "autopolicy.experiment",
+    "autopolicy.keras",  # needs the keras extra (installed by the dev extra)
+    "autopolicy.numerics.kernels",
+    "autopolicy.numerics.device",
 ]
 
 

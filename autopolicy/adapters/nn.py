@@ -19,6 +19,7 @@ from autopolicy.nn import _context
 from autopolicy.nn._module import Module
 from autopolicy.nn.calibration import calibrate
 from autopolicy.numerics import kernels
+from autopolicy.search import _checks
 from autopolicy.search.adapter import Program, TunableLayer, digest_arrays, register_adapter
 
 __all__ = ["NNAdapter", "LayerCall", "record_calls", "cast_floating"]
@@ -131,8 +132,10 @@ class NNAdapter:
         signature = json.dumps({"class": type(layer).__name__, "config": config, "weights": _shapes(layer),
                                 "inputs": _shapes((call.args, call.kwargs))}, sort_keys=True, default=str)
         first = jax.tree_util.tree_leaves((call.args, call.kwargs))[0]
-        return TunableLayer(path, type(layer).__name__, tuple(layer.supported_quantization_modes), signature,
-                            tuple(np.shape(first)), call.producer)
+        # Modes that cannot take this layer's real input (float8 on integer ids) are left out.
+        modes = tuple(m for m in layer.supported_quantization_modes
+                      if _checks.input_problem(call.args, f"{m}_from_float32") is None)
+        return TunableLayer(path, type(layer).__name__, modes, signature, tuple(np.shape(first)), call.producer)
 
     def layers(self) -> tuple[TunableLayer, ...]:
         return self._layers

@@ -175,7 +175,7 @@ def _overview_row(label: str, entry: dict[str, Any], float32_s: float | None, ch
         "speedup vs float32": speedup_text(entry, float32_s, reference=label == f"uniform {FLOAT32}"),
         "metric": entry.get("metric"),
         "drop": entry.get("drop"),
-        "meets budget": _meets(entry.get("meets_budget")),
+        "meets budget": f"excluded: {entry['excluded']}" if entry.get("excluded") else _meets(entry.get("meets_budget")),
     }
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "MAX_ROUNDS",
     "check_arguments",
     "check_budget",
+    "check_decision",
     "check_metric",
     "check_sample_input",
     "input_problem",
@@ -76,6 +77,25 @@ def check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds) ->
             raise ValueError(f"Candidate {policy.name!r} does not compute in a float dtype.")
         out.append(policy)
     return out
+
+
+def check_decision(min_speedup: Any, confirm_seconds: Any) -> None:
+    """Checks the decision margin and the time allowed to settle close calls.
+
+    Raises:
+      ValueError: for a ``min_speedup`` that is not a finite number >= 1, or a
+        ``confirm_seconds`` that is not a finite number >= 0.
+
+    >>> check_decision(float("inf"), 30)
+    Traceback (most recent call last):
+    ...
+    ValueError: min_speedup must be a finite number >= 1 (1.02: 2% faster). Received: min_speedup=inf
+    """
+    if not _is_number(min_speedup) or not math.isfinite(min_speedup) or not min_speedup >= 1:
+        raise ValueError(f"min_speedup must be a finite number >= 1 (1.02: 2% faster). Received: "
+                         f"min_speedup={min_speedup!r}")
+    if not _is_number(confirm_seconds) or not math.isfinite(confirm_seconds) or not confirm_seconds >= 0:
+        raise ValueError(f"confirm_seconds must be a finite number >= 0. Received: confirm_seconds={confirm_seconds!r}")
 
 
 def check_budget(max_drop: Any, relative: Any) -> None:

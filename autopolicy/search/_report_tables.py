@@ -117,6 +117,8 @@ def _entry(e: Configuration, baseline: float) -> dict[str, Any]:
         "speedup_vs_float32": e.speedup,
         "speedup_interval": None if e.speedup_low is None else [e.speedup_low, e.speedup_high],
         "rounds": e.rounds,
+        "nbytes": e.nbytes,
+        "excluded": e.excluded,
     }
 
 
@@ -126,7 +128,8 @@ def summary(result: Any) -> dict[str, Any]:
     uniforms = {e.uniform: e for e in result.configurations if e.kind == "uniform"}
     maps = [e for e in result.configurations if e.kind == "map"]
     float32 = uniforms[REFERENCE]
-    best_uniform = min((e for e in uniforms.values() if e.meets_budget), key=lambda e: e.measured_latency_s)
+    best_uniform = min((e for e in uniforms.values() if e.meets_budget and not e.excluded),
+                       key=lambda e: e.measured_latency_s, default=chosen)
     baseline = budget.baseline_metric
     out: dict[str, Any] = {
         "device": hardware.describe(result.hardware),

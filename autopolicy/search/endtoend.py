@@ -45,6 +45,11 @@ class EndToEnd:
         self.from_cache = False
         self._cpu_per_wall: list[float] = []
         self._starts: dict[str, int] = {}
+        self.failed: dict[str, str] = {}  # config key -> why its program could not be built or compiled
+
+    def failure(self, config: Configuration) -> str:
+        """Why ``config``'s model could not be timed ("" when it was)."""
+        return self.failed.get(config_key(config), "")
 
     def time_group(self, configs: Sequence[Configuration], rounds: int, tag: str) -> str:
         """Times ``rounds`` rounds of ``configs`` together, or loads them from the cache.
@@ -69,17 +74,24 @@ class EndToEnd:
             self.cache.flush()
 
     def _time(self, configs: Sequence[Configuration], rounds: int) -> None:
-        names = {config_key(c): c for c in configs}
-        todo = {}
-        for k, config in names.items():
-            if self.timer is None or k not in self.timer.runners:
+        names = {config_key(c): c for c in configs if config_key(c) not in self.failed}
+        for k, config in list(names.items()):
+            if self.timer is not None and k in self.timer.runners:
+                continue
+            try:  # a configuration whose program fails to build or compile is excluded, not fatal
+                if config.name not in self.models:
+                    raise RuntimeError(f"its model could not be built ({config.excluded or 'no model'})")
                 program = self.adapter.model_program(self.models[config.name])
-                todo[k] = timing.Candidate(program.fn, program.args, program.state)
-        if todo:
-            if self.timer is None:
-                self.timer = timing.Timer(todo)
-            else:
-                self.timer.add(todo)
+                todo = {k: timing.Candidate(program.fn, program.args, program.state)}
+                if self.timer is None:
+                    self.timer = timing.Timer(todo)
+                else:
+                    self.timer.add(todo)
+            except Exception as e:  # pylint: disable=broad-except
+                self.failed[k] = f"failed to compile or run: {type(e).__name__}: {str(e)[:200]}"
+                del names[k]
+        if not names:
+            return
         before = {k: len(self.timer.samples[k]) for k in names}
         self.timer.rounds(rounds, list(names))
         for i in range(rounds):

@@ -196,6 +196,8 @@ class Configuration:
     measured_latency_cv: float | None = None
     meets_budget: bool | None = None
     disqualified: tuple[str, ...] = ()  # layers whose output is not finite under it
+    excluded: str = ""  # why it cannot be chosen (over the memory budget, failed to build or run)
+    nbytes: int | None = None  # the tuned layers' weight bytes
     calibrated_latency_s: float | None = None  # predicted by the latency model fitted end to end
     speedup: float | None = None  # vs float32, median of paired rounds
     speedup_low: float | None = None  # its confidence interval

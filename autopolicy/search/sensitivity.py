@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autopolicy.search import _checks
+
 __all__ = ["fidelity", "check_metric", "Scorer"]
 
 
@@ -56,15 +58,10 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def check_metric(value: Any, what: str) -> float:
-    """The metric as a float; raises a clear error for anything that is not a finite number."""
-    if isinstance(value, (str, bytes, bool, np.bool_)) or np.ndim(value) != 0:
-        raise TypeError(f"eval_fn must return a real number. It returned {value!r} for {what}.")
-    try:
-        metric = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"eval_fn must return a real number. It returned {value!r} for {what}.") from None
-    return metric
+def check_metric(value: Any, what: str, fn_name: str = "eval_fn") -> float:
+    """The metric as a float (NaN and infinities pass: they disqualify the candidate); a clear
+    TypeError for anything that is not a real number (:func:`autopolicy.search._checks.check_metric`)."""
+    return _checks.check_metric(value, what, finite=False, fn_name=fn_name)
 
 
 class Scorer:

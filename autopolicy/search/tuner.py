@@ -30,10 +30,18 @@ def _baseline_metric(eval_fn: Callable[[Any], float], model: Any) -> float:
         value = eval_fn(model)
     except Exception as e:  # pylint: disable=broad-except
         raise ValueError(f"eval_fn raised on the float32 model: {type(e).__name__}: {e}") from e
-    metric = check_metric(value, "the float32 model")
-    if not math.isfinite(metric):
-        raise ValueError(f"eval_fn returned {metric!r} for the float32 model; it must be finite.")
-    return metric
+    return _checks.check_metric(value, "the float32 model")
+
+
+def _check_memory(latency: Any, memory_budget: float | None) -> None:
+    """Refuses a memory budget that no assignment of the candidates can meet, naming the least."""
+    if memory_budget is None:
+        return
+    least = sum(min(latency.timing(s.path, p.name).nbytes for p in s.candidates) for s in latency.sites)
+    if least > memory_budget:
+        raise ValueError(f"memory_budget={memory_budget!r} cannot be met: the tuned layers' weights take at least "
+                         f"{least:,} bytes with these candidates (add a smaller one, such as int8_from_float32 or "
+                         "int4_from_float32, or raise the budget).")
 
 
 def _batches(calibration_inputs: Iterable[Any] | None, args: tuple) -> list[tuple]:
@@ -115,11 +123,9 @@ def tune(
     """
     start = time.perf_counter()
     candidate_policies = _checks.check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds)
-    args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
-    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup >= 1:
-        raise ValueError(f"min_speedup must be a number >= 1. Received: min_speedup={min_speedup!r}")
-    if isinstance(confirm_seconds, bool) or not isinstance(confirm_seconds, (int, float)) or not confirm_seconds >= 0:
-        raise ValueError(f"confirm_seconds must be a number >= 0. Received: confirm_seconds={confirm_seconds!r}")
+    _checks.check_budget(max_drop, relative)
+    _checks.check_decision(min_speedup, confirm_seconds)
+    args = _checks.check_sample_input(sample_input)
     if profile_accuracy not in PROFILE_ACCURACY:
         raise ValueError(f"profile_accuracy must be one of {list(PROFILE_ACCURACY)}. "
                          f"Received: profile_accuracy={profile_accuracy!r}")
@@ -128,12 +134,13 @@ def tune(
     layer_sites = profiling.sites(made.layers(), candidate_policies)
     if not layer_sites:
         raise ValueError("The model has no tunable layers (Dense, EinsumDense, Conv2D, Embedding, ...).")
-    reference_model = made.with_policies(policies.DTypePolicyMap(REFERENCE))
-    baseline = _baseline_metric(eval_fn, reference_model)
-    allowed = max_drop * abs(baseline) if relative else float(max_drop)
     detected = hardware.detect()
     fingerprint = hardware.fingerprint(detected)
+    # The cache (its directory checked and locked) before any evaluation or measurement.
     with MeasurementCache(cache_dir) as cache:
+        reference_model = made.with_policies(policies.DTypePolicyMap(REFERENCE))
+        baseline = _baseline_metric(eval_fn, reference_model)
+        allowed = max_drop * abs(baseline) if relative else float(max_drop)
         ctx = Context(
             adapter=made, scorer=Scorer(eval_fn, calibration, made, reference_model), cache=cache,
             fingerprint=fingerprint,
@@ -143,6 +150,7 @@ def tune(
             progress=progress,
             reference_model=reference_model)
         latency = profiling.measure_latency(made, layer_sites, cache, fingerprint, repeats, progress)
+        _check_memory(latency, memory_budget)
         kernels = profiling.kernel_choice(latency)
         if supports_kernels(made):  # every model built from here on runs the fastest kernels
             made.use_kernels(kernels)
@@ -150,7 +158,8 @@ def tune(
         uniform_configs = verify.uniforms(ctx, latency, models)
         e2e = EndToEnd(made, models, cache, fingerprint, key(ctx.digest, kernels), [list(np.shape(a)) for a in args])
         e2e.time_group(uniform_configs, repeats, "calibration")
-        calibration = latency_model.fit(latency, [(u.assignment, e2e.summary(u).median) for u in uniform_configs])
+        calibration = latency_model.fit(latency, [(u.assignment, e2e.summary(u).median) for u in uniform_configs
+                                                  if e2e.samples(u)])
         tried, settled = ([], False) if profile_accuracy == "always" else verify.fastest_first(
             ctx, latency, models, calibration)
         accuracy = accuracy_phase.skipped_accuracy(ctx, latency) if settled else None
@@ -165,7 +174,8 @@ def tune(
             tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
         winner, entries, report_only, decisions = verify.choose(ctx, latency, tried, uniform_configs, models, e2e)
         # The latency model, refitted on every configuration timed, predicts each of them.
-        final = latency_model.fit(latency, [(e.assignment, e.measured_latency_s) for e in entries])
+        final = latency_model.fit(latency, [(e.assignment, e.measured_latency_s) for e in entries
+                                            if e.measured_latency_s is not None])
         entries = [e.with_(calibrated_latency_s=final.predict(latency, e.assignment)) for e in entries]
         winner = next(e for e in entries if e.name == winner.name)
         evaluations = {"profile": accuracy.evaluations,
@@ -173,8 +183,8 @@ def tune(
                        "report_only": report_only, "total": ctx.scorer.evaluations}
         test = None
         if test_fn is not None:
-            test = {"float32": check_metric(test_fn(reference_model), "test_fn of float32"),
-                    "chosen": check_metric(test_fn(models[winner.name]), "test_fn of the chosen model")}
+            test = {"float32": check_metric(test_fn(reference_model), "the float32 model", "test_fn"),
+                    "chosen": check_metric(test_fn(models[winner.name]), "the chosen model", "test_fn")}
         return TuneResult(
             policy_map=winner.policy_map, model=models[winner.name], latency=latency, accuracy=accuracy,
             configurations=tuple(entries), chosen=winner, budget=ctx.budget, hardware=detected,

@@ -67,11 +67,31 @@ def _verified(ctx: Context, models: Models, round_index: int, problem: Problem, 
     assignment = solution.policies(problem.layers)
     policy_map = ctx.adapter.complete_map(assignment)
     name = f"map (round {round_index})"
-    models[name] = ctx.adapter.with_policies(policy_map)
+    entry = Configuration(name, "map", assignment, policy_map, solution.latency, round=round_index,
+                          predicted_accuracy_cost=solution.accuracy_cost if costs_known else None,
+                          exact=solution.exact, nbytes=solution.nbytes)
+    failure = _build(ctx, models, entry)
+    if failure:
+        return entry.with_(excluded=failure, metric=math.nan, meets_budget=False)
     metric = _evaluate(ctx, f"round {round_index}", policy_map, models[name])
-    return Configuration(name, "map", assignment, policy_map, solution.latency, round=round_index,
-                         predicted_accuracy_cost=solution.accuracy_cost if costs_known else None,
-                         exact=solution.exact, metric=metric, meets_budget=ctx.budget.meets(metric))
+    return entry.with_(metric=metric, meets_budget=ctx.budget.meets(metric))
+
+
+def _build(ctx: Context, models: Models, entry: Configuration) -> str:
+    """Builds ``entry``'s model into ``models``; returns why it failed ("" when it did not)."""
+    try:
+        models[entry.name] = ctx.adapter.with_policies(entry.policy_map)
+    except Exception as e:  # pylint: disable=broad-except
+        return f"failed to build: {type(e).__name__}: {str(e)[:200]}"
+    return ""
+
+
+def over_memory(ctx: Context, nbytes: int) -> str:
+    """Why ``nbytes`` of tuned weights break the memory budget ("" when they do not)."""
+    budget = ctx.budget.memory_budget
+    if budget is None or nbytes <= budget:
+        return ""
+    return f"over the memory budget: {nbytes:,} bytes > {int(budget):,}"
 
 
 def fastest_first(ctx: Context, latency: LatencyProfile, models: Models,
@@ -129,13 +149,15 @@ def uniform(ctx: Context, latency: LatencyProfile, policy: policies.DTypePolicy,
     # A layer whose output is not finite under the policy disqualifies the uniform policy.
     broken = tuple(p for p, n in assignment.items() if not latency.timing(p, n).finite)
     name = f"uniform {policy.name}"
+    nbytes = latency.nbytes(assignment)
     entry = Configuration(name, "uniform", assignment, ctx.adapter.complete_map(assignment),
-                          latency.predicted_latency(assignment), uniform=policy.name, disqualified=broken)
+                          latency.predicted_latency(assignment), uniform=policy.name, disqualified=broken,
+                          nbytes=nbytes, excluded=over_memory(ctx, nbytes))
     if policy.name == REFERENCE:
         models[name] = ctx.reference_model
         return entry.with_(metric=ctx.budget.baseline_metric, meets_budget=True)
-    models[name] = ctx.adapter.with_policies(entry.policy_map)
-    return entry
+    failure = _build(ctx, models, entry)
+    return entry.with_(excluded=failure) if failure else entry
 
 
 def uniforms(ctx: Context, latency: LatencyProfile, models: Models) -> list[Configuration]:
@@ -145,6 +167,9 @@ def uniforms(ctx: Context, latency: LatencyProfile, models: Models) -> list[Conf
 
 
 def _timed(e2e: EndToEnd, config: Configuration, float32: Configuration) -> Configuration:
+    failure = e2e.failure(config)
+    if failure or not e2e.samples(config):
+        return config.with_(excluded=config.excluded or failure or "not timed")
     t, s = e2e.summary(config), e2e.speedup(config, float32)
     return config.with_(measured_latency_s=t.median, measured_latency_cv=t.cv, speedup=s.median,
                         speedup_low=s.low, speedup_high=s.high, rounds=s.rounds)
@@ -169,6 +194,13 @@ def decide(ctx: Context, e2e: EndToEnd, float32: Configuration,
     straddles the margin after the extra rounds, the simpler incumbent stays.
     """
     incumbent, log = float32, []
+    if float32.excluded:
+        if not contenders:
+            raise ValueError(f"No configuration can be chosen: float32 is {float32.excluded}, and no other "
+                             "configuration within the accuracy budget fits.")
+        incumbent = min(contenders, key=lambda c: c.measured_latency_s)
+        log.append(f"{float32.name} cannot be chosen ({float32.excluded}): {incumbent.name}, the fastest "
+                   "configuration that can, is the incumbent")
     for kind in ("uniform", "map"):
         for c in sorted((c for c in contenders if c.kind == kind), key=lambda c: c.measured_latency_s):
             if config_key(c) == config_key(incumbent):
@@ -195,12 +227,13 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
     float32 = _timed(e2e, uniform_configs[0], uniform_configs[0])
     tried = [_timed(e2e, c, float32) for c in tried]
     timed_uniforms = [_timed(e2e, c, float32) for c in uniform_configs]
-    best_map = min((e.measured_latency_s for e in tried if e.meets_budget), default=math.inf)
+    best_map = min((e.measured_latency_s for e in tried if e.meets_budget and not e.excluded), default=math.inf)
     report_only = 0
     # A uniform policy needs its metric if it could beat the map on latency (a decision), or
     # if it is faster than float32 (to report the best uniform policy honestly).
     for i, u in enumerate(timed_uniforms):
-        if u.metric is None and not u.disqualified and u.measured_latency_s < max(best_map, float32.measured_latency_s):
+        if (u.metric is None and not u.disqualified and not u.excluded
+                and u.measured_latency_s < max(best_map, float32.measured_latency_s)):
             before = ctx.scorer.evaluations
             metric = _evaluate(ctx, u.name, u.policy_map, models[u.name])
             if u.measured_latency_s >= best_map:
@@ -208,7 +241,7 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
             timed_uniforms[i] = u.with_(metric=metric)
     timed_uniforms = [u.with_(meets_budget=None if u.metric is None else ctx.budget.meets(u.metric) and not u.disqualified)
                       for u in timed_uniforms]
-    contenders = [c for c in tried + timed_uniforms[1:] if c.meets_budget]
+    contenders = [c for c in tried + timed_uniforms[1:] if c.meets_budget and not c.excluded]
     # The decision is cached with its rounds: a rerun reaches the same one without timing.
     decision_key = key(group, "decision", ctx.min_speedup, ctx.confirm_seconds)
     cached = ctx.cache.lookup(decision_key)
