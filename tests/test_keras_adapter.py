@@ -141,6 +141,7 @@ def test_a_mixed_bfloat16_layer_program_computes_in_bfloat16():
     assert made.layer_bytes("seq/d", policies.get("mixed_bfloat16")) == (24 * 40 + 40) * 4
 
 
+@pytest.mark.slow
 def test_attention_projections_refuse_float16_where_keras_attention_cannot_compile_it():
     made = search.get_adapter(functional_model(), (IDS,), [])
     float16 = policies.get("mixed_float16")

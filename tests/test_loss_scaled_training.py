@@ -18,6 +18,10 @@ from autopolicy.numerics import float8
 from autopolicy.train.loop import LOSS_SCALE_CHOICES, _make_step
 from helpers import assert_bit_identical
 
+# Each test trains or tunes (a module fixture alone takes ~20 s on two cores): run with the full
+# suite, left out of the quick loop `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 DIGITS = datasets.digits()
 # 1056 = 33 batches of 32: one batch shape, so each run compiles its step once.
 X, Y = DIGITS.x_train[:1056], DIGITS.y_train[:1056]

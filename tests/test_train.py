@@ -9,6 +9,10 @@ import pytest
 import autopolicy.nn as nn
 from autopolicy import datasets, train
 
+# Each test trains or tunes (a module fixture alone takes ~20 s on two cores): run with the full
+# suite, left out of the quick loop `pytest -m "not slow"`.
+pytestmark = pytest.mark.slow
+
 DIGITS = datasets.digits()
 
 
