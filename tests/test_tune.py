@@ -58,10 +58,12 @@ def test_summary_figures_are_consistent(trained, result):
     assert s["chosen"]["drop"] <= s["budget"]["allowed_drop"] + 1e-12
     assert s["speedup_vs_float32"] == pytest.approx(
         s["float32"]["measured_latency_s"] / s["chosen"]["measured_latency_s"])
-    uniform_ok = [u["measured_latency_s"] for u in s["uniform"].values() if u["meets_budget"]]
-    # Never slower than the best uniform policy (float32 is kept unless 2% faster: min_speedup).
-    assert s["chosen"]["measured_latency_s"] <= 1.02 * min(uniform_ok) + 1e-15
-    assert s["speedup_vs_best_uniform"] >= 1 / 1.02
+    # A uniform policy within budget whose median is more than 2% faster than the choice was
+    # challenged and lost on its confidence interval (a noisy median alone does not decide).
+    for name, u in s["uniform"].items():
+        if u["meets_budget"] and u["measured_latency_s"] * 1.02 < s["chosen"]["measured_latency_s"]:
+            lines = [d for d in result.decisions if d.startswith(f"uniform {name} does not replace")]
+            assert lines and float(lines[0].split("[")[1].split(",")[0]) < 1.02, (name, result.decisions)
     assert set(s["uniform"]) == set(search.DEFAULT_CANDIDATES)
     assert s["layers"] == 3 and s["evaluations"]["total"] >= 1
     assert s["fingerprint"] == search.hardware.fingerprint(s["hardware"])

@@ -34,27 +34,13 @@ from autopolicy.adapters._keras_layers import (
     to_keras,
     values,
 )
-from autopolicy.search.adapter import Program, TunableLayer, digest_arrays, register_adapter
+from autopolicy.search.adapter import (Program, TunableLayer, cast_floating, digest_arrays, register_adapter,
+                                       shapes_and_dtypes)
 
 __all__ = ["KerasAdapter", "KerasTunableLayer"]
 
 FLOAT32 = "float32"
 _COPIES_KEPT = 8  # standalone layer copies kept for layer_bytes after layer_program
-
-
-def _cast_floating(tree: Any, dtype: str) -> Any:
-    target = jnp.dtype(dtype)
-
-    def leaf(x):
-        if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating):
-            return jnp.asarray(x).astype(target)
-        return x
-
-    return jax.tree_util.tree_map(leaf, tree)
-
-
-def _shapes(tree: Any) -> list:
-    return [[list(np.shape(x)), str(jnp.result_type(x))] for x in jax.tree_util.tree_leaves(tree)]
 
 
 def _signature(layer: Any, call: models.LayerCall) -> str:
@@ -63,7 +49,7 @@ def _signature(layer: Any, call: models.LayerCall) -> str:
     config = {k: v for k, v in layer.get_config().items() if k not in ("name", "dtype")}
     weights = [[list(w.shape), str(w.dtype)] for w in layer.weights]
     return json.dumps({"class": type(layer).__name__, "config": config, "weights": weights,
-                       "inputs": _shapes((call.args, call.kwargs))}, sort_keys=True, default=str)
+                       "inputs": shapes_and_dtypes((call.args, call.kwargs))}, sort_keys=True, default=str)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +125,7 @@ class KerasAdapter:
 
     def layer_program(self, path: str, policy: policies.DTypePolicy) -> Program:
         call = self.calls[path]
-        args, kwargs = _cast_floating((call.args, call.kwargs), policy.compute_dtype)
+        args, kwargs = cast_floating((call.args, call.kwargs), policy.compute_dtype)
         layer = self._copy(path, policy)
         return Program(stateless_fn(layer), (args, kwargs), state_of(layer))
 

@@ -11,7 +11,6 @@ from collections import OrderedDict
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from autopolicy import policies
@@ -20,9 +19,10 @@ from autopolicy.nn._module import Module
 from autopolicy.nn.calibration import calibrate
 from autopolicy.numerics import kernels
 from autopolicy.search import _checks
-from autopolicy.search.adapter import Program, TunableLayer, digest_arrays, register_adapter
+from autopolicy.search.adapter import (Program, TunableLayer, cast_floating, digest_arrays, register_adapter,
+                                       shapes_and_dtypes)
 
-__all__ = ["NNAdapter", "LayerCall", "record_calls", "cast_floating"]
+__all__ = ["NNAdapter", "LayerCall", "record_calls"]
 
 FLOAT32 = policies.DEFAULT_POLICY_NAME if hasattr(policies, "DEFAULT_POLICY_NAME") else "float32"
 
@@ -60,22 +60,6 @@ def record_calls(model: Module, *args: Any, **kwargs: Any) -> "OrderedDict[str, 
     with _context.call_hook(hook):
         model(*args, **kwargs)
     return calls
-
-
-def cast_floating(tree: Any, dtype: str) -> Any:
-    """Casts the floating arrays of ``tree`` to ``dtype`` (what autocast would do)."""
-    target = jnp.dtype(dtype)
-
-    def leaf(x):
-        if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating):
-            return jnp.asarray(x).astype(target)
-        return x
-
-    return jax.tree_util.tree_map(leaf, tree)
-
-
-def _shapes(tree: Any) -> list:
-    return [[list(np.shape(x)), str(jnp.result_type(x))] for x in jax.tree_util.tree_leaves(tree)]
 
 
 def _config_without_name(layer: Module) -> Any:
@@ -129,8 +113,8 @@ class NNAdapter:
     def _describe(self, path: str) -> TunableLayer:
         layer, call = self._modules[path], self.calls[path]
         config = _config_without_name(layer)
-        signature = json.dumps({"class": type(layer).__name__, "config": config, "weights": _shapes(layer),
-                                "inputs": _shapes((call.args, call.kwargs))}, sort_keys=True, default=str)
+        signature = json.dumps({"class": type(layer).__name__, "config": config, "weights": shapes_and_dtypes(layer),
+                                "inputs": shapes_and_dtypes((call.args, call.kwargs))}, sort_keys=True, default=str)
         first = jax.tree_util.tree_leaves((call.args, call.kwargs))[0]
         # Modes that cannot take this layer's real input (float8 on integer ids) are left out.
         modes = tuple(m for m in layer.supported_quantization_modes

@@ -49,6 +49,8 @@ import importlib
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from autopolicy import policies
 from autopolicy.search.cache import weights_digest as digest_arrays
@@ -63,6 +65,8 @@ __all__ = [
     "digest_arrays",
     "KERNEL_METHODS",
     "supports_kernels",
+    "cast_floating",
+    "shapes_and_dtypes",
 ]
 
 
@@ -147,6 +151,32 @@ class ModelAdapter(Protocol):
 
     def weights_digest(self) -> str:
         """A hash of the model's weights: part of the key of every cached accuracy figure."""
+
+
+def cast_floating(tree: Any, dtype: str) -> Any:
+    """Casts the floating arrays of ``tree`` to ``dtype`` (what autocast does to a layer's input):
+    for an adapter's ``layer_program``.
+
+    >>> cast_floating((jnp.ones(2), jnp.arange(2)), "bfloat16")[0].dtype
+    dtype(bfloat16)
+    """
+    target = jnp.dtype(dtype)
+
+    def leaf(x):
+        if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.asarray(x).astype(target)
+        return x
+
+    return jax.tree_util.tree_map(leaf, tree)
+
+
+def shapes_and_dtypes(tree: Any) -> list:
+    """``[[shape, dtype], ...]`` of the leaves of ``tree``: part of a layer's signature.
+
+    >>> shapes_and_dtypes({"x": jnp.ones((2, 3))})
+    [[[2, 3], 'float32']]
+    """
+    return [[list(np.shape(x)), str(jnp.result_type(x))] for x in jax.tree_util.tree_leaves(tree)]
 
 
 #: Optional adapter methods for modes with several kernels (tactics); an adapter without them
