@@ -171,7 +171,7 @@ class NNAdapter:
         return model
 
     def model_program(self, model: Module) -> Program:
-        return Program(_call_model, self.sample_args, model)
+        return Program(_call_model, self.sample_args, model, compiled=model)
 
     def weights_digest(self) -> str:
         return digest_arrays(self.model)

@@ -108,12 +108,18 @@ class Program:
     fn: Callable[..., Any]
     args: tuple
     state: Any = None
+    #: Optional ``compiled(*args)``: the same computation through the framework's own compiled
+    #: call (an ``autopolicy.nn`` model called from Python), so that running it shares the
+    #: compilation the user's ``eval_fn`` triggers on the same model and shapes.
+    compiled: Callable[..., Any] | None = None
 
     def call(self, state: Any, args: tuple) -> Any:
         return self.fn(state, *args)
 
     def run(self, *args: Any) -> Any:
-        """Runs the program jitted, on ``args`` (default: its own)."""
+        """Runs the program compiled, on ``args`` (default: its own)."""
+        if self.compiled is not None:
+            return self.compiled(*(args or self.args))
         return jax.jit(self.fn)(self.state, *(args or self.args))
 
 

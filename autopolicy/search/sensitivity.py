@@ -80,8 +80,7 @@ class Scorer:
 
     def outputs(self, model: Any) -> list[Any]:
         program = self.adapter.model_program(model)
-        run = jax.jit(program.fn)
-        return [run(program.state, *batch) for batch in self.calibration]
+        return [program.run(*batch) for batch in self.calibration]
 
     def metric(self, model: Any, what: str) -> float:
         self.evaluations += 1
