@@ -23,6 +23,7 @@ from autopolicy import _atomic, _rundir, cli, experiment, nn, policies
 from autopolicy.nn.serialization import DamagedSaveError
 from autopolicy.search import _checks
 from autopolicy.search.cache import MeasurementCache
+from autopolicy.search.noise import NOISY_CV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 X = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
@@ -664,7 +665,11 @@ def test_a_killed_tune_resumes_from_its_cache_and_leaves_no_temp_file(tmp_path, 
 
     assert cli.main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["cache"]["hits"] >= len(cached)  # every measurement of the killed run reused
+    # Every measurement of the killed run reused, except noisy layer timings, which a later run
+    # measures once more by design (search.noise: CV above NOISY_CV, not yet re-measured).
+    noisy = sum(1 for r in cached.values() if isinstance(r, dict)
+                and r.get("latency_cv", 0.0) > NOISY_CV and r.get("remeasured", True) is False)
+    assert summary["cache"]["hits"] >= len(cached) - noisy
     assert _orphans(out) == []
     final = json.loads((out / "cache" / "measurements.json").read_text())
     assert set(cached) <= set(final)  # nothing lost (a noisy timing may be measured once more)
