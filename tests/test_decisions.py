@@ -1,15 +1,22 @@
 """Decisions that survive noise: paired speed-ups with intervals, the decision rule, the
-calibrated latency model and the noise verdict, on synthetic timings (no machine timing)."""
+calibrated latency model and the noise verdict, on synthetic timings (no machine timing); then
+what can never be chosen, end to end on tiny models: a configuration over the memory budget, or
+one that fails to build, run or be scored."""
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autopolicy import policies
+import autopolicy.nn as nn
+from autopolicy import policies, search
 from autopolicy.search import confidence, latency_model, noise, verify
-from autopolicy.search.adapter import TunableLayer
-from autopolicy.search.phases import Configuration, LatencyProfile, LayerTiming, Site
+from autopolicy.search.adapter import Program, TunableLayer, get_adapter
+from autopolicy.search.phases import Configuration, LatencyProfile, LayerTiming, Site, Status
+from tests.test_adapter import PARAMS, X, TwoMatmuls, TwoMatmulsAdapter, _matmul, fidelity
+from tests.test_exclusions import W1, W2, FailingAdapter
 
 RNG = np.random.default_rng(0)
 
@@ -177,3 +184,119 @@ def test_noise_says_busy_when_the_timings_spread(monkeypatch):
     assert verdict["busy"] is True and "median layer timing CV 0.40 > 0.1" in verdict["note"]
     monkeypatch.setattr(noise, "machine_load", lambda: {"load_1m": 4.5, "cores": 2.0})
     assert "load average 4.5 on 2 cores" in noise.assess(quiet, _E2E)["note"]
+
+
+# End to end on tiny models: what can never be chosen.
+
+QUICK = dict(repeats=3, progress=False, confirm_seconds=0)
+
+
+def _mlp():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(32, 64)), jnp.float32)
+    model = nn.Sequential([nn.Dense(128, activation="relu", name="a"), nn.Dense(128, activation="relu", name="b"),
+                           nn.Dense(4, name="c")], name="m").build(jax.random.key(0), x)
+    reference = np.asarray(model(x))
+    return model, x, lambda m: 1.0 - float(np.linalg.norm(np.asarray(m(x)) - reference) / np.linalg.norm(reference))
+
+
+def test_a_memory_budget_that_int8_on_some_layers_meets_disqualifies_uniform_float32():
+    model, x, score = _mlp()
+    made = get_adapter(model, (x,), [(x,)])
+    nbytes = {(p, n): made.layer_bytes(p, policies.get(n)) for p in ("m/a", "m/b", "m/c")
+              for n in ("float32", "int8_from_float32")}
+    float32_bytes = sum(nbytes[p, "float32"] for p in ("m/a", "m/b", "m/c"))
+    # int8 on m/b alone fits; int8 on m/a alone does not, nor does float32 everywhere.
+    budget = nbytes["m/a", "float32"] + nbytes["m/b", "int8_from_float32"] + nbytes["m/c", "float32"] + 1000
+    assert nbytes["m/a", "int8_from_float32"] + nbytes["m/b", "float32"] + nbytes["m/c", "float32"] > budget
+    result = search.tune(model, score, x, candidates=["float32", "int8_from_float32"], max_drop=0.1,
+                         memory_budget=budget, **QUICK)
+    by_name = {c.name: c for c in result.configurations}
+    float32 = by_name["uniform float32"]
+    assert float32.nbytes == float32_bytes > budget
+    assert float32.excluded == f"over the memory budget: {float32_bytes:,} bytes > {budget:,}"
+    assert result.summary["float32"]["excluded"] == float32.excluded
+    assert result.chosen.excluded == "" and result.chosen.nbytes <= budget
+    assert result.summary["chosen"]["nbytes"] <= budget
+    assert result.policy_map["m/b"].name == "int8_from_float32"
+    for c in result.configurations:  # every configuration over the budget is excluded as such
+        assert (c.nbytes > budget) == c.excluded.startswith("over the memory budget"), c.name
+
+
+def test_a_cached_decision_is_not_reused_under_a_memory_budget_that_excludes_its_winner(tmp_path, monkeypatch):
+    # The same configurations timed in both runs (no map: the fastest assignment is taken as
+    # settled), so the second run finds the first one's rounds and decision in the cache.
+    monkeypatch.setattr(verify, "fastest_first", lambda *args, **kwargs: ([], True))
+    options = dict(candidates=["float32", "bfloat16"], max_drop=0.5, relative=False, min_speedup=1000.0,
+                   adapter=TwoMatmulsAdapter, cache_dir=str(tmp_path), **QUICK)
+    first = search.tune(TwoMatmuls(PARAMS), fidelity, X, **options)
+    assert first.chosen.name == "uniform float32"  # nothing is 1000x faster
+    budget = 3 * W1 + 4 * W2  # float32 does not fit; bfloat16 weights do
+    second = search.tune(TwoMatmuls(PARAMS), fidelity, X, memory_budget=budget, **options)
+    assert second.chosen.name == "uniform bfloat16" and second.chosen.nbytes <= budget
+    assert second.decisions[0].startswith("uniform float32 cannot be chosen (over the memory budget")
+
+
+def _slow_matmul(w, x):
+    y = jax.lax.fori_loop(0, 40, lambda _, y: (y @ w) @ w.T / 8, x)
+    return y @ w
+
+
+class SlowFloat32Adapter(TwoMatmulsAdapter):
+    """Each layer runs 81 matmuls in float32 and one in bfloat16, alone and in the model (the
+    latency model fitted end to end agrees): the fastest assignment, verified first, is
+    bfloat16 everywhere."""
+
+    def layer_program(self, path, policy):
+        if policy.compute_dtype != "float32":
+            return super().layer_program(path, policy)
+        return Program(_slow_matmul, (self.inputs[path],), self.model.params[path])
+
+    def model_program(self, model):
+        def run(params, x):
+            for path, dtype in zip(self.PATHS, model.dtypes):
+                x = (_slow_matmul if dtype == "float32" else _matmul)(params[path], x.astype(dtype))
+            return x.astype(jnp.float32)
+
+        return Program(run, (self.inputs["w1"],), model.params)
+
+
+def _fails_on_bfloat16(model):
+    if "bfloat16" in model.dtypes:
+        raise RuntimeError("no bfloat16 on this device")
+    return fidelity(model)
+
+
+@pytest.mark.parametrize("profile_accuracy", ["auto", "always"])
+def test_an_eval_fn_that_raises_excludes_the_configuration_and_the_tune_goes_on(profile_accuracy):
+    result = search.tune(TwoMatmuls(PARAMS), _fails_on_bfloat16, X, candidates=["float32", "mixed_bfloat16"],
+                         max_drop=0.5, relative=False, adapter=SlowFloat32Adapter, profile_accuracy=profile_accuracy,
+                         **QUICK)
+    failure = "RuntimeError: no bfloat16 on this device"
+    assert result.chosen.changed == {} and result.model.dtypes == ("float32", "float32")
+    rows = result.profile[result.profile["policy"] == "mixed_bfloat16"]
+    assert list(rows["status"]) == [f"{Status.FAILED} ({failure})"] * 2
+    assert result.accuracy.get("w1", "mixed_bfloat16").usable is False
+    every_bfloat16 = [c for c in result.configurations if "mixed_bfloat16" in c.assignment.values()]
+    assert every_bfloat16 and all(c.excluded in ("", f"failed to evaluate: {failure}") for c in every_bfloat16)
+    if profile_accuracy == "auto":  # verified first, as the fastest assignment
+        fastest = next(m for m in result.summary["maps"] if m["round"] == 1)
+        assert fastest["excluded"] == f"failed to evaluate: {failure}" and fastest["meets_budget"] is False
+
+
+def test_a_layer_that_fails_to_build_is_disqualified_in_the_sensitivity_table():
+    result = search.tune(TwoMatmuls(PARAMS), fidelity, X, candidates=["float32", "mixed_float16"], max_drop=0.5,
+                         relative=False, adapter=FailingAdapter, profile_accuracy="always", **QUICK)
+    rows = result.profile[result.profile["policy"] == "mixed_float16"]
+    failure = "NotImplementedError: no float16 kernel on this backend"
+    assert list(rows["status"]) == [f"{Status.FAILED} ({failure})"] * 2
+    assert result.summary["uniform"]["mixed_float16"]["excluded"] == f"failed to build: {failure}"
+    assert result.chosen.changed == {}
+
+
+def test_a_float32_model_that_fails_to_run_is_a_value_error():
+    class Broken(TwoMatmulsAdapter):
+        def model_program(self, model):
+            raise RuntimeError("cannot lower the model")
+
+    with pytest.raises(ValueError, match="The float32 model failed to build or run: RuntimeError: cannot lower"):
+        search.tune(TwoMatmuls(PARAMS), fidelity, X, candidates=["float32"], adapter=Broken, **QUICK)

@@ -110,8 +110,8 @@ def test_a_float16_overflow_is_never_chosen():
     assert result.summary["uniform"]["mixed_float16"]["meets_budget"] is not True
 
 
-class Interrupted(Exception):
-    pass
+class Interrupted(BaseException):
+    """An interruption (as KeyboardInterrupt): an eval_fn's Exception only excludes its configuration."""
 
 
 def test_an_interrupted_run_resumes_without_repeating_work(trained, tmp_path):

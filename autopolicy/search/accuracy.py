@@ -47,7 +47,10 @@ def _score(ctx: Context, site: Site, policy: policies.DTypePolicy) -> LayerAccur
         model = ctx.adapter.with_policies(ctx.adapter.complete_map({site.path: policy}))
         return ctx.scorer.score(model, f"{site.path} as {policy.name}")
 
-    scored = ctx.cache.get_or_measure(cache_key, measure)
+    try:  # a model that fails to build, run or be scored disqualifies the candidate (not cached)
+        scored = ctx.cache.get_or_measure(cache_key, measure)
+    except Exception as e:  # pylint: disable=broad-except
+        return LayerAccuracy(f"{Status.FAILED} ({type(e).__name__}: {str(e)[:200]})")
     ctx.cache.flush()
     fields = {k: scored[k] for k in ("metric", "sqnr_db", "kl")}
     if not scored["finite"]:

@@ -38,6 +38,7 @@ class Status:
     NOT_NEEDED = "not needed: the fastest assignment met the budget"
     NONFINITE_LAYER = "disqualified: non-finite layer output"
     NONFINITE_MODEL = "disqualified: non-finite model output or metric"
+    FAILED = "disqualified: failed to build or run"  # followed by the error: "(TypeError: ...)"
     ESTIMATED = "estimated: layer output error, scaled to the observed drop"
     NOT_ESTIMATED = "not estimated: the layer output error is unknown"
 

@@ -18,11 +18,30 @@ from autopolicy.search.cache import MeasurementCache, key
 from autopolicy.search.endtoend import EndToEnd
 from autopolicy.search.phases import Budget
 from autopolicy.search.result import TuneResult
-from autopolicy.search.sensitivity import Scorer, check_metric
+from autopolicy.search.sensitivity import Scorer
 
 __all__ = ["tune", "DEFAULT_CANDIDATES"]
 
 PROFILE_ACCURACY = ("auto", "measure", "always")
+
+
+def _reference(made: Any, eval_fn: Callable[[Any], float], calibration: list[tuple]) -> tuple[Any, Scorer]:
+    """The float32 model and the scorer holding its outputs: every figure is compared with them,
+    so a float32 model that fails to build or run stops the search (other configurations that
+    fail are excluded instead)."""
+    try:
+        model = made.with_policies(policies.DTypePolicyMap(REFERENCE))
+        return model, Scorer(eval_fn, calibration, made, model)
+    except Exception as e:  # pylint: disable=broad-except
+        raise ValueError(f"The float32 model failed to build or run: {type(e).__name__}: {e}") from e
+
+
+def _test_metrics(test_fn: Callable[[Any], float] | None, reference: Any, chosen: Any) -> dict | None:
+    """``test_fn`` on float32 (a finite number) and on the chosen model (reported as it is)."""
+    if test_fn is None:
+        return None
+    return {"float32": _checks.check_metric(test_fn(reference), "the float32 model", fn_name="test_fn"),
+            "chosen": _checks.check_metric(test_fn(chosen), "the chosen model", finite=False, fn_name="test_fn")}
 
 
 def _baseline_metric(eval_fn: Callable[[Any], float], model: Any) -> float:
@@ -119,7 +138,12 @@ def tune(
 
     Raises:
       ValueError: for an unknown candidate, a negative budget, an unbuilt or quantized model, a
-        model without tunable layers, or an ``eval_fn`` that raises or returns a non-finite value.
+        model without tunable layers, a float32 model that fails to build or run, an ``eval_fn``
+        that raises or returns a non-finite value on it, a ``memory_budget`` no assignment meets,
+        or when no configuration meets both budgets. Other configurations that fail to build,
+        run or be scored are excluded (the reason in their ``excluded`` field), not fatal.
+      TypeError: for an ``eval_fn`` (or ``test_fn``) that returns something other than a real
+        number (``"0.9"``), naming it.
     """
     start = time.perf_counter()
     candidate_policies = _checks.check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds)
@@ -138,11 +162,11 @@ def tune(
     fingerprint = hardware.fingerprint(detected)
     # The cache (its directory checked and locked) before any evaluation or measurement.
     with MeasurementCache(cache_dir) as cache:
-        reference_model = made.with_policies(policies.DTypePolicyMap(REFERENCE))
+        reference_model, scorer = _reference(made, eval_fn, calibration)
         baseline = _baseline_metric(eval_fn, reference_model)
         allowed = max_drop * abs(baseline) if relative else float(max_drop)
         ctx = Context(
-            adapter=made, scorer=Scorer(eval_fn, calibration, made, reference_model), cache=cache,
+            adapter=made, scorer=scorer, cache=cache,
             fingerprint=fingerprint,
             digest=key(made.weights_digest(), digest_arrays(calibration), getattr(eval_fn, "__qualname__", repr(eval_fn))),
             budget=Budget(baseline, allowed, memory_budget), candidates=tuple(candidate_policies), sample_args=args,
@@ -181,10 +205,7 @@ def tune(
         evaluations = {"profile": accuracy.evaluations,
                        "verify": ctx.scorer.evaluations - accuracy.evaluations - report_only,
                        "report_only": report_only, "total": ctx.scorer.evaluations}
-        test = None
-        if test_fn is not None:
-            test = {"float32": check_metric(test_fn(reference_model), "the float32 model", "test_fn"),
-                    "chosen": check_metric(test_fn(models[winner.name]), "the chosen model", "test_fn")}
+        test = _test_metrics(test_fn, reference_model, models[winner.name])
         return TuneResult(
             policy_map=winner.policy_map, model=models[winner.name], latency=latency, accuracy=accuracy,
             configurations=tuple(entries), chosen=winner, budget=ctx.budget, hardware=detected,

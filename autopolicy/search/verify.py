@@ -20,7 +20,8 @@ from autopolicy.search.endtoend import EndToEnd, config_key
 from autopolicy.search.latency_model import IDENTITY, Calibration
 from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem
 
-__all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "decide", "choose", "Models"]
+__all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "decide", "choose", "Models",
+           "failed", "over_memory"]
 
 #: Models built for configurations, by configuration name (what ``eval_fn`` scored).
 Models = dict
@@ -70,11 +71,21 @@ def _verified(ctx: Context, models: Models, round_index: int, problem: Problem, 
     entry = Configuration(name, "map", assignment, policy_map, solution.latency, round=round_index,
                           predicted_accuracy_cost=solution.accuracy_cost if costs_known else None,
                           exact=solution.exact, nbytes=solution.nbytes)
-    failure = _build(ctx, models, entry)
+    # The solver keeps to the memory budget; a map over it is refused all the same, unbuilt.
+    failure = over_memory(ctx, int(solution.nbytes)) or _build(ctx, models, entry)
+    if not failure:
+        try:
+            metric = _evaluate(ctx, f"round {round_index}", policy_map, models[name])
+        except Exception as e:  # pylint: disable=broad-except
+            failure = failed("evaluate", e)
     if failure:
         return entry.with_(excluded=failure, metric=math.nan, meets_budget=False)
-    metric = _evaluate(ctx, f"round {round_index}", policy_map, models[name])
     return entry.with_(metric=metric, meets_budget=ctx.budget.meets(metric))
+
+
+def failed(step: str, error: Exception) -> str:
+    """Why a configuration is excluded after ``error`` in ``step``: ``failed to <step>: <type>: <message>``."""
+    return f"failed to {step}: {type(error).__name__}: {str(error)[:200]}"
 
 
 def _build(ctx: Context, models: Models, entry: Configuration) -> str:
@@ -82,7 +93,7 @@ def _build(ctx: Context, models: Models, entry: Configuration) -> str:
     try:
         models[entry.name] = ctx.adapter.with_policies(entry.policy_map)
     except Exception as e:  # pylint: disable=broad-except
-        return f"failed to build: {type(e).__name__}: {str(e)[:200]}"
+        return failed("build", e)
     return ""
 
 
@@ -224,6 +235,8 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
     decision log.
     """
     group = e2e.time_group(tried + uniform_configs, 2 * ctx.repeats, "final")
+    if e2e.failure(uniform_configs[0]):  # every speed-up is measured against it
+        raise ValueError(f"The float32 model could not be timed end to end: {e2e.failure(uniform_configs[0])}")
     float32 = _timed(e2e, uniform_configs[0], uniform_configs[0])
     tried = [_timed(e2e, c, float32) for c in tried]
     timed_uniforms = [_timed(e2e, c, float32) for c in uniform_configs]
@@ -235,18 +248,25 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
         if (u.metric is None and not u.disqualified and not u.excluded
                 and u.measured_latency_s < max(best_map, float32.measured_latency_s)):
             before = ctx.scorer.evaluations
-            metric = _evaluate(ctx, u.name, u.policy_map, models[u.name])
+            try:
+                timed_uniforms[i] = u.with_(metric=_evaluate(ctx, u.name, u.policy_map, models[u.name]))
+            except Exception as e:  # pylint: disable=broad-except
+                timed_uniforms[i] = u.with_(metric=math.nan, excluded=failed("evaluate", e))
             if u.measured_latency_s >= best_map:
                 report_only += ctx.scorer.evaluations - before
-            timed_uniforms[i] = u.with_(metric=metric)
     timed_uniforms = [u.with_(meets_budget=None if u.metric is None else ctx.budget.meets(u.metric) and not u.disqualified)
                       for u in timed_uniforms]
     contenders = [c for c in tried + timed_uniforms[1:] if c.meets_budget and not c.excluded]
-    # The decision is cached with its rounds: a rerun reaches the same one without timing.
-    decision_key = key(group, "decision", ctx.min_speedup, ctx.confirm_seconds)
+    eligible = ([] if float32.excluded else [timed_uniforms[0]]) + contenders
+    # The decision is cached with its rounds: a rerun reaches the same one without timing. Its
+    # key names the configurations that could be chosen, so a rerun under another memory or
+    # accuracy budget (the same maps timed, others excluded) decides again.
+    decision_key = key(group, "decision", ctx.min_speedup, ctx.confirm_seconds,
+                       sorted((c.name, config_key(c)) for c in eligible))
     cached = ctx.cache.lookup(decision_key)
-    if cached is not None:
-        winner, log = next(c for c in [timed_uniforms[0]] + contenders if c.name == cached["winner"]), cached["log"]
+    winner = next((c for c in eligible if cached is not None and c.name == cached["winner"]), None)
+    if winner is not None:
+        log = cached["log"]
     else:
         winner, log = decide(ctx, e2e, timed_uniforms[0], contenders)
         e2e.persist(group)
