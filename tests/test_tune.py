@@ -138,7 +138,10 @@ def test_an_interrupted_run_resumes_without_repeating_work(trained, tmp_path):
     assert len(calls) == 1  # only the float32 baseline: everything else came from the cache
     assert again.policy_map == resumed.policy_map
     np.testing.assert_array_equal(again.profile["latency_s"], resumed.profile["latency_s"])
-    assert again.summary["cache"]["misses"] == 0
+    # Every measurement of the first runs is reused; one timing may be taken once more (a noisy one,
+    # by issue 16's rule), never an evaluation (calls == 1 above).
+    cache = again.summary["cache"]
+    assert cache["misses"] <= 1 and cache["hits"] >= len(cached)
     assert first_evaluations < 1 + resumed.summary["evaluations"]["total"] + 2
 
 

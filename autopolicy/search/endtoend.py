@@ -45,6 +45,7 @@ class EndToEnd:
         self.from_cache = False
         self._cpu_per_wall: list[float] = []
         self._starts: dict[str, int] = {}
+        self._cached_groups: set[str] = set()
         self.failed: dict[str, str] = {}  # config key -> why its program could not be built or compiled
 
     def failure(self, config: Configuration) -> str:
@@ -62,14 +63,17 @@ class EndToEnd:
         if cached is not None:
             self.rounds += [dict(r) for r in cached["rounds"]]
             self.from_cache = True
+            self._cached_groups.add(group)
             return group
         self._time(configs, rounds)
         self.persist(group)
         return group
 
     def persist(self, group: str) -> None:
-        """Caches every round taken since ``group`` began (its extra rounds included)."""
-        if not self.from_cache:
+        """Caches every round taken since ``group`` began (its extra rounds included); a group
+        that came from the cache is left as it was (a group timed afresh after one that was
+        cached is still saved)."""
+        if group not in self._cached_groups:
             self.cache.put(group, {"rounds": self.rounds[self._starts[group]:]})
             self.cache.flush()
 
