@@ -24,7 +24,7 @@ from autopolicy.search.adapter import (Program, TunableLayer, cast_floating, dig
 
 __all__ = ["NNAdapter", "LayerCall", "record_calls"]
 
-FLOAT32 = policies.DEFAULT_POLICY_NAME if hasattr(policies, "DEFAULT_POLICY_NAME") else "float32"
+FLOAT32 = policies.DEFAULT_POLICY_NAME
 
 
 class LayerCall:

@@ -14,7 +14,7 @@ from autopolicy import policies
 from autopolicy.search import timing
 from autopolicy.search.cache import MeasurementCache, key
 from autopolicy.search.confidence import Speedup, paired_speedup
-from autopolicy.search.phases import Configuration
+from autopolicy.search.phases import Configuration, failed
 
 __all__ = ["EndToEnd", "config_key"]
 
@@ -92,7 +92,7 @@ class EndToEnd:
                 else:
                     self.timer.add(todo)
             except Exception as e:  # pylint: disable=broad-except
-                self.failed[k] = f"failed to compile or run: {type(e).__name__}: {str(e)[:200]}"
+                self.failed[k] = failed("compile or run", e)
                 del names[k]
         if not names:
             return

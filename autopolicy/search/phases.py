@@ -18,6 +18,7 @@ from autopolicy.search.adapter import TunableLayer
 
 __all__ = [
     "Site",
+    "failed",
     "LayerTiming",
     "LatencyProfile",
     "LayerAccuracy",
@@ -173,6 +174,15 @@ class Problem:
     layers: tuple[solver.Layer, ...]
     budget: float  # summed accuracy cost allowed (inf: latency only)
     memory_budget: float | None
+
+
+def failed(step: str, error: Exception) -> str:
+    """Why a configuration is excluded after ``error`` in ``step``: ``failed to <step>: <type>: <message>``.
+
+    >>> failed("build", ValueError("no kernel"))
+    'failed to build: ValueError: no kernel'
+    """
+    return f"failed to {step}: {type(error).__name__}: {str(error)[:200]}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,8 @@ from autopolicy.search.cache import MeasurementCache, key
 from autopolicy.search.noise import NOISY_CV
 from autopolicy.search.phases import LatencyProfile, LayerTiming, Site
 
-__all__ = ["sites", "candidates_for", "measure_latency", "layer_latency", "kernel_choice", "format_tactics", "relative_error", "cast_latency", "profile"]
+__all__ = ["sites", "candidates_for", "measure_latency", "layer_latency", "kernel_choice", "format_tactics",
+           "relative_error", "cast_latency", "profile"]
 
 
 def candidates_for(layer: TunableLayer, candidates: Sequence[policies.DTypePolicy]) -> tuple[policies.DTypePolicy, ...]:
@@ -122,6 +123,7 @@ def layer_latency(
             records[name] = cached
             continue
         again[name] = cached is not None
+        # Adapters without a choice of kernels take no kernel argument.
         program = adapter.layer_program(site.path, policy, kernel) if kernel else adapter.layer_program(site.path, policy)
         todo[name] = _as_candidate(program)
     if todo:
@@ -239,8 +241,9 @@ def profile(
     """Latency only: every tunable layer under every candidate, as a DataFrame.
 
     Columns: ``layer, class, input_shape, policy, latency_s, latency_cv, ratio_to_float32,
-    finite_output, nbytes, kernel, tactics`` (``kernel``: the kernel timed fastest where the
-    mode names one; ``tactics``: every kernel's median where there were several). No accuracy is measured (see :func:`autopolicy.search.tune`).
+    finite_output, nbytes, kernel, tactics`` (``kernel``: the kernel kept where the mode names
+    one; ``tactics``: every kernel's median where there were several). No accuracy is measured
+    (see :func:`autopolicy.search.tune`).
     """
     import pandas as pd  # pylint: disable=import-outside-toplevel
 

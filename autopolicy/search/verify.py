@@ -18,10 +18,10 @@ from autopolicy.search.cache import key
 from autopolicy.search.confidence import Speedup
 from autopolicy.search.endtoend import EndToEnd, config_key
 from autopolicy.search.latency_model import IDENTITY, Calibration
-from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem
+from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem, failed
 
 __all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "decide", "choose", "Models",
-           "failed", "over_memory"]
+           "over_memory"]
 
 #: Models built for configurations, by configuration name (what ``eval_fn`` scored).
 Models = dict
@@ -81,11 +81,6 @@ def _verified(ctx: Context, models: Models, round_index: int, problem: Problem, 
     if failure:
         return entry.with_(excluded=failure, metric=math.nan, meets_budget=False)
     return entry.with_(metric=metric, meets_budget=ctx.budget.meets(metric))
-
-
-def failed(step: str, error: Exception) -> str:
-    """Why a configuration is excluded after ``error`` in ``step``: ``failed to <step>: <type>: <message>``."""
-    return f"failed to {step}: {type(error).__name__}: {str(error)[:200]}"
 
 
 def _build(ctx: Context, models: Models, entry: Configuration) -> str:
