@@ -1,8 +1,11 @@
 """autopolicy: per-layer dtype policies (float32, bfloat16/float16, int8, float8, int4) for JAX,
 and a search that picks the fastest ones that keep accuracy within budget.
 
-Importing ``autopolicy`` does not import pandas or matplotlib (reports and the CLI do).
+Importing ``autopolicy`` does not import pandas or matplotlib (reports and the CLI do), nor a
+framework: :mod:`autopolicy.keras` is imported (with Keras) on first use of ``autopolicy.keras``.
 """
+
+import importlib
 
 from autopolicy import datasets, dtype_policies, mixed_precision, nn, numerics, policies, search, train
 from autopolicy.numerics import (
@@ -69,3 +72,17 @@ __all__ = [
     "all_finite",
     "select_tree",
 ]
+
+#: Submodules that import a framework: reachable as attributes of the package, imported (with the
+#: framework) on first access (PEP 562), never by ``import autopolicy``.
+_LAZY_SUBMODULES = ("keras",)
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # the import sets the attribute too
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

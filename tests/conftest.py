@@ -1,9 +1,43 @@
 """A strict numerics harness: warnings are errors (pyproject), silent upcasts fail, no global
-policy leaks from one test into another."""
+policy leaks from one test into another.
+
+Set up before JAX is imported, for a fast run under pytest-xdist (``-n auto``):
+
+- each worker caps XLA's intra-op threads at its share of the cores (``os.cpu_count() //
+  workers``), so two workers on two cores do not fight over them; ``XLA_FLAGS`` already naming
+  ``intra_op_parallelism_threads`` is left as it is. CLI tests' subprocesses inherit the cap.
+- JAX's persistent compilation cache is on for the run, in the git-ignored ``.cache/jax-tests``
+  (override with ``AUTOPOLICY_TEST_JAX_CACHE``; an empty value turns it off), with no minimum
+  compile time, so a second run reuses the first one's compilations.
+"""
 
 import os
+import pathlib
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+
+
+def _cap_xla_threads() -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if workers <= 1 or "intra_op_parallelism_threads" in flags:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen={str(threads > 1).lower()} " \
+                              f"intra_op_parallelism_threads={threads}".strip()
+
+
+def _persistent_compilation_cache() -> None:
+    cache = os.environ.get("AUTOPOLICY_TEST_JAX_CACHE",
+                           str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax-tests"))
+    if cache:  # environment, not jax.config: the CLI tests' subprocesses share the cache too
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+_cap_xla_threads()
+_persistent_compilation_cache()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -42,8 +42,27 @@ def test_every_public_name_exists(module_name):
 def test_core_import_is_light():
     code = (
         "import sys, autopolicy; "
-        "heavy = [m for m in ('pandas', 'matplotlib', 'sklearn', 'tqdm') if m in sys.modules]; "
+        "heavy = [m for m in ('pandas', 'matplotlib', 'sklearn', 'tqdm', 'keras', 'flax') if m in sys.modules]; "
         "print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_autopolicy_keras_is_an_attribute_imported_on_first_use():
+    pytest.importorskip("keras", reason="autopolicy.keras needs the keras extra")
+    code = (
+        "import sys, autopolicy as ap; "
+        "before = 'keras' in sys.modules; "
+        "apply = ap.keras.apply_policy_map; "
+        "print(before, 'keras' in sys.modules, 'keras' in dir(ap), apply.__module__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True", "autopolicy.keras"]
+
+
+def test_an_unknown_attribute_of_the_package_is_an_attribute_error():
+    import autopolicy
+
+    with pytest.raises(AttributeError, match="module 'autopolicy' has no attribute 'flux'"):
+        autopolicy.flux  # noqa: B018

@@ -1,14 +1,6 @@
-"""Progress bars for the phases of a run (shown only on a terminal)."""
+"""Progress of the phases of a run: bars on a terminal, one line per phase elsewhere
+(:mod:`autopolicy._progress`)."""
 
-from __future__ import annotations
+from autopolicy._progress import progress
 
-from typing import Iterable
-
-
-def progress(enabled: bool, iterable: Iterable, desc: str, total: int | None = None):
-    """A progress bar over ``iterable``, or ``iterable`` itself when disabled."""
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-
-    return tqdm(iterable, desc=desc, total=total, leave=False, disable=None)  # None: off without a TTY
+__all__ = ["progress"]

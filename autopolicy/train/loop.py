@@ -174,7 +174,7 @@ def fit(
       loss_scale: ``"auto"``, ``"dynamic"``, a number, a loss-scale object, or None (off).
       seed: Seeds shuffling and dropout.
       shuffle: Shuffle array data every epoch.
-      progress: Show a progress bar.
+      progress: Show a progress bar (on a terminal; elsewhere one line to stderr when fit ends).
 
     Float8 layers update their amax histories and scales every step (they are not touched by the
     optimizer or the loss scale). The history records the loss scale and skipped steps.
@@ -241,12 +241,9 @@ def fit(
 
 
 def _progress(enabled: bool, epochs: int, steps: int | None):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+    from autopolicy._progress import progress_bar  # pylint: disable=import-outside-toplevel
 
-    return tqdm(total=None if steps is None else epochs * steps, desc="fit", unit="step", leave=False,
-                disable=None)  # None: off without a TTY
+    return progress_bar(enabled, None if steps is None else epochs * steps, "fit", unit="step")
 
 
 # --- evaluate / predict -----------------------------------------------------------------------
