@@ -7,6 +7,12 @@ code: a layer under a policy is a standalone copy of it (``layer.quantize`` for 
 policies) called statelessly inside ``jax.jit``; a model under a map is a copy made by
 :func:`autopolicy.keras.apply_policy_map`'s machinery. The user's model is never modified: the
 adapter works on a float32 copy.
+
+Kernel tactics (the optional ``layer_kernels``/``use_kernels`` of the adapter protocol): the
+int8 product of a Dense or EinsumDense can run any int8 kernel of this device
+(:mod:`autopolicy.adapters._keras_kernels`); Keras's other quantized layers have one kernel.
+Float8 is not a candidate for a layer fed integers (an Embedding's ids reaching a Dense), as in
+the ``autopolicy.nn`` adapter.
 """
 
 from __future__ import annotations
@@ -21,19 +27,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopolicy import policies
+from autopolicy.adapters import _keras_kernels
 from autopolicy.adapters import _keras_models as models
 from autopolicy.adapters._keras_layers import (
     attention_projections,
+    canonical_name,
     float16_attention_compiles,
     is_tunable,
     keras,
     layer_copy,
+    own_policy,
     state_of,
     stateless_fn,
     supported_modes,
     to_keras,
     values,
 )
+from autopolicy.search import _checks
 from autopolicy.search.adapter import (Program, TunableLayer, cast_floating, digest_arrays, register_adapter,
                                        shapes_and_dtypes)
 
@@ -63,6 +73,14 @@ class KerasTunableLayer(TunableLayer):
 
     def supports(self, policy: policies.DTypePolicy) -> bool:
         return policy.compute_dtype not in self.refused_compute_dtypes and super().supports(policy)
+
+
+def _scoped(fn: Any, kernel: str):
+    def run(*args):
+        with _keras_kernels.kernel_scope(kernel):
+            return fn(*args)
+
+    return run
 
 
 def _model_fn(model: Any):
@@ -105,10 +123,14 @@ class KerasAdapter:
         self._refused = {} if float16_attention_compiles() else {i: ("float16",) for i in projections}
         self._layers = tuple(self._describe(call) for call in self.calls.values() if is_tunable(call.layer))
         self._copies: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._kernels: dict[str, dict[str, str]] = {}
 
     def _describe(self, call: models.LayerCall) -> TunableLayer:
         first = jax.tree_util.tree_leaves((call.args, call.kwargs))[0]
-        return KerasTunableLayer(call.path, type(call.layer).__name__, supported_modes(call.layer),
+        # Modes that cannot take this layer's real input (float8 on integer ids) are left out.
+        modes = tuple(m for m in supported_modes(call.layer)
+                      if _checks.input_problem(call.args, f"{m}_from_float32") is None)
+        return KerasTunableLayer(call.path, type(call.layer).__name__, modes,
                                  _signature(call.layer, call), tuple(np.shape(first)), call.producer,
                                  self._refused.get(id(call.layer), ()))
 
@@ -123,11 +145,29 @@ class KerasAdapter:
                 self._copies.popitem(last=False)
         return self._copies[key]
 
-    def layer_program(self, path: str, policy: policies.DTypePolicy) -> Program:
+    def layer_program(self, path: str, policy: policies.DTypePolicy, kernel: str | None = None) -> Program:
         call = self.calls[path]
         args, kwargs = cast_floating((call.args, call.kwargs), policy.compute_dtype)
         layer = self._copy(path, policy)
-        return Program(stateless_fn(layer), (args, kwargs), state_of(layer))
+        fn = stateless_fn(layer)
+        if kernel is not None:
+            if kernel not in self.layer_kernels(path, policy):
+                raise ValueError(f"Invalid kernel for {path!r} under {policy.name!r}. Expected one of "
+                                 f"{self.layer_kernels(path, policy)}. Received: kernel={kernel!r}")
+            fn = _scoped(fn, kernel)
+        return Program(fn, (args, kwargs), state_of(layer))
+
+    def layer_kernels(self, path: str, policy: policies.DTypePolicy) -> tuple[str, ...]:
+        """The kernels of the layer's product under ``policy`` worth timing on this device,
+        default first; ``()`` where Keras's layer runs one (float8, convolutions, embeddings)."""
+        layer = next((t for t in self._layers if t.path == path), None)
+        if layer is None or policy.quantization_mode is None or not layer.supports(policy):
+            return ()
+        return _keras_kernels.layer_kernels(self.calls[path].layer, policy.quantization_mode, layer.input_shape)
+
+    def use_kernels(self, choice: dict[str, dict[str, str]]) -> None:
+        """Every later :meth:`with_policies` runs, per layer, the kernel chosen for its policy."""
+        self._kernels = {path: dict(by_policy) for path, by_policy in choice.items()}
 
     def layer_bytes(self, path: str, policy: policies.DTypePolicy) -> int:
         layer = self._copy(path, policy)
@@ -152,6 +192,12 @@ class KerasAdapter:
         models.apply_policies(model, policy_map)
         models.calibrate(model, self.amax)
         models.remember(model, policy_map)
+        if self._kernels:
+            for layer in models.all_layers(model):
+                chosen = self._kernels.get(layer.path, {})
+                name = getattr(layer, "quantization_mode", None) and canonical_name(own_policy(layer))
+                if name in chosen:
+                    _keras_kernels.with_kernel(layer, chosen[name])
         return model
 
     def model_program(self, model: Any) -> Program:
