@@ -199,6 +199,7 @@ def _mlp():
     return model, x, lambda m: 1.0 - float(np.linalg.norm(np.asarray(m(x)) - reference) / np.linalg.norm(reference))
 
 
+@pytest.mark.slow  # a full tune with timing: 16 s on two shared cores
 def test_a_memory_budget_that_int8_on_some_layers_meets_disqualifies_uniform_float32():
     model, x, score = _mlp()
     made = get_adapter(model, (x,), [(x,)])

@@ -19,6 +19,7 @@ from autopolicy import policies  # noqa: E402
 from autopolicy.adapters import _keras_kernels  # noqa: E402
 from autopolicy.adapters.keras import KerasAdapter  # noqa: E402
 from autopolicy.numerics import kernels  # noqa: E402
+from autopolicy.search.adapter import supports_kernels  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword")
 layers = keras.layers
@@ -52,6 +53,7 @@ def _uses_uint8(program):
 
 
 def test_dense_and_einsum_dense_offer_the_int8_kernels_of_this_device(adapter):
+    assert supports_kernels(adapter)  # the search times each layer's kernels, as for autopolicy.nn
     expected = kernels.candidate_kernels("int8", "einsum")
     assert adapter.layer_kernels("up", INT8) == expected
     assert adapter.layer_kernels("mlp", INT8) == expected

@@ -20,7 +20,7 @@ def test_readme_has_exactly_the_two_setup_commands():
         ["awk", "/<!-- test-command -->/{getline; getline; print; exit}", str(ROOT / "README.md")],
         capture_output=True, text=True, check=True,
     ).stdout.strip()
-    assert ci.endswith("python -m pytest") and "[dev]" in ci
+    assert ci.endswith("python -m pytest -n auto --dist loadscope") and "[dev]" in ci
     assert "<!-- test-command -->" in (ROOT / ".ci" / "run").read_text()
 
 

@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import functools
 import string
+import threading
 from typing import Any, Callable
 
 import jax
@@ -38,6 +39,7 @@ _ACTIVE: contextvars.ContextVar[str | None] = contextvars.ContextVar("autopolicy
 #: The Keras layer kinds whose int8 product is one ``ops.matmul`` / ``ops.einsum`` of two int8
 #: operands (their input quantized): the ones whose kernel can be chosen.
 _CHOOSABLE = (keras.layers.Dense, keras.layers.EinsumDense)
+_INSTALL_LOCK = threading.Lock()
 
 
 def active_kernel() -> str | None:
@@ -106,10 +108,11 @@ def install() -> None:
     """Wraps the JAX backend's ``matmul`` and ``einsum`` of Keras once (idempotent)."""
     from keras.src.backend.jax import numpy as backend_numpy  # noqa: PLC0415  (Keras's JAX backend)
 
-    for name, wrap in (("matmul", _wrap_matmul), ("einsum", _wrap_einsum)):
-        fn = getattr(backend_numpy, name)
-        if not hasattr(fn, "autopolicy_original"):
-            setattr(backend_numpy, name, wrap(fn))
+    with _INSTALL_LOCK:
+        for name, wrap in (("matmul", _wrap_matmul), ("einsum", _wrap_einsum)):
+            fn = getattr(backend_numpy, name)
+            if not hasattr(fn, "autopolicy_original"):
+                setattr(backend_numpy, name, wrap(fn))
 
 
 def _equation(layer: Any, input_shape: tuple) -> str | None:
