@@ -75,7 +75,7 @@ __all__ = [
 
 #: Submodules that import a framework: reachable as attributes of the package, imported (with the
 #: framework) on first access (PEP 562), never by ``import autopolicy``.
-_LAZY_SUBMODULES = ("keras",)
+_LAZY_SUBMODULES = ("keras", "flax")
 
 
 def __getattr__(name: str):

@@ -206,7 +206,8 @@ AdapterFactory = Callable[[Any, tuple, list], ModelAdapter]
 _REGISTRY: list[tuple[Callable[[Any], bool], AdapterFactory, str]] = []
 # Adapters shipped with autopolicy, imported when a model's class comes from a module starting
 # with the first string (the imported module registers itself).
-_BUILTIN = (("autopolicy.nn", "autopolicy.adapters.nn"), ("keras", "autopolicy.adapters.keras"))
+_BUILTIN = (("autopolicy.nn", "autopolicy.adapters.nn"), ("keras", "autopolicy.adapters.keras"),
+            ("flax", "autopolicy.adapters.flax"))
 
 
 def register_adapter(kind: type | Callable[[Any], bool], factory: AdapterFactory, name: str | None = None) -> None:
