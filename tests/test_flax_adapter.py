@@ -195,3 +195,16 @@ def test_tune_an_nnx_model_end_to_end(net, x):
 
 def test_autopolicy_flax_is_a_lazy_attribute():
     assert ap.flax.qwix_rules is af.qwix_rules
+
+
+def test_save_and_restore_from_a_build_function(net, x, tmp_path):
+    mapping = {"b_first": "int8_from_float32", "blocks/0": "int4/16_from_float32", "a_second": "mixed_bfloat16"}
+    tuned = af.apply_policy_map(net, mapping, x)
+    ap.flax.save(tuned, tmp_path / "tuned", mapping)
+    assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == ["policy_map.json", "qwix_rules.json", "state"]
+    restored = ap.flax.load(tmp_path / "tuned", lambda: Net(nnx.Rngs(7)), x)  # other weights until restored
+    np.testing.assert_array_equal(np.asarray(restored(x)), np.asarray(tuned(x)))
+    assert restored.a_second.dtype == jnp.bfloat16
+    assert ap.load_policy_map(tmp_path / "tuned" / "policy_map.json") == policies.DTypePolicyMap("float32", mapping)
+    with pytest.raises(FileNotFoundError, match="holds no saved NNX model: 'state' is missing"):
+        ap.flax.load(tmp_path, lambda: Net(nnx.Rngs(7)), x)
