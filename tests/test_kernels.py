@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autopolicy.numerics import _int8_accumulate, _u8s8_dot, float8, float_dot, int8, kernels
+from autopolicy.numerics import _int8_accumulate, _u8s8_dot, cpu_kernels, float8, float_dot, int4, int8, kernels
 from autopolicy.numerics.device import CPU_FEATURES, Device, current_device, known_cpu_features, parse_cpuinfo
 from helpers import assert_bit_identical, gaussian
 
@@ -157,7 +157,13 @@ def test_default_kernels_follow_the_device(name):
     # A convolution has one int8 kernel on every device; gathers and int4 have no choice.
     assert kernels.default_kernel("int8", "conv2d", device) == "s8s8"
     assert kernels.default_kernel("int8", "gather", device) is None
-    assert kernels.default_kernel("int4", "einsum", device) is None
+    # int4's FFI kernel runs only where a measurement chose it.
+    assert kernels.default_kernel("int4", "einsum", device) == "xla"
+
+
+def _ffi_on(device):
+    """The FFI kernels are worth timing on CPUs where the library is built (one device)."""
+    return ("cpu_ffi",) if device.platform == "cpu" and cpu_kernels.AVAILABLE and jax.device_count() == 1 else ()
 
 
 @pytest.mark.parametrize("name", list(SELECTION))
@@ -166,28 +172,31 @@ def test_candidates_are_the_kernels_worth_timing_default_first(name):
     if int8_candidates is None:  # VNNI CPUs: both, the default first
         int8_candidates = (int8_default,) + tuple(k for k in ("s8s8", "u8s8") if k != int8_default)
         int8_candidates = int8_candidates if _u8s8_dot.AVAILABLE else ("s8s8",)
-    assert kernels.candidate_kernels("int8", "einsum", device) == int8_candidates
+    assert kernels.candidate_kernels("int8", "einsum", device) == int8_candidates + _ffi_on(device)
     assert kernels.candidate_kernels("float8", "einsum", device) == float8_candidates
     assert kernels.candidate_kernels("int8", "conv2d", device) == ("s8s8",)
-    assert kernels.candidate_kernels("int4", "einsum", device) == ()
+    assert kernels.candidate_kernels("int4", "einsum", device) == ("xla",) + _ffi_on(device)
 
 
 def test_kernel_tables_name_each_kernel_once_per_mode():
-    assert [m for m, _ in kernels.MODE_KERNELS] == ["int8", "float8"]
-    assert tuple(s.name for s in kernels.kernel_specs("int8")) == int8.INT8_KERNELS == ("s8s8", "u8s8")
+    assert [m for m, _ in kernels.MODE_KERNELS] == ["int8", "int4", "float8"]
+    assert tuple(s.name for s in kernels.kernel_specs("int8")) == int8.INT8_KERNELS == ("s8s8", "u8s8", "cpu_ffi")
+    assert tuple(s.name for s in kernels.kernel_specs("int4")) == int4.INT4_KERNELS == ("xla", "cpu_ffi")
     assert tuple(s.name for s in kernels.kernel_specs("float8")) == float8.FLOAT8_KERNELS
     assert [(s.name, s.exact) for s in kernels.FLOAT8_KERNEL_SPECS] == [("emulated", True), ("fp8_dot", False)]
     assert all(s.exact for s in kernels.INT8_KERNEL_SPECS)
     assert kernels.kernel_spec("int8", "s8s8").op_names == ("einsum", "conv2d")
-    assert len({hash(s) for s in kernels.INT8_KERNEL_SPECS + kernels.FLOAT8_KERNEL_SPECS}) == 4
+    assert len({hash(s) for s in kernels.INT8_KERNEL_SPECS + kernels.INT4_KERNEL_SPECS + kernels.FLOAT8_KERNEL_SPECS}) == 7
 
 
 def test_an_unknown_kernel_name_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match=r"Invalid int8 kernel\. Expected one of \('s8s8', 'u8s8'\)\. Received: kernel='vnni'"):
+    with pytest.raises(ValueError, match=r"Invalid int8 kernel\. Expected one of \('s8s8', 'u8s8', 'cpu_ffi'\)\. Received: kernel='vnni'"):
         kernels.kernel_spec("int8", "vnni")
-    with pytest.raises(ValueError, match=r"'int4' has no choice of kernels; modes with kernels: \('int8', 'float8'\)"):
+    with pytest.raises(ValueError, match=r"'gptq' has no choice of kernels; modes with kernels: \('int8', 'int4', 'float8'\)"):
+        kernels.kernel_spec("gptq", "s8s8")
+    with pytest.raises(ValueError, match=r"Invalid int4 kernel\. Expected one of \('xla', 'cpu_ffi'\)\. Received: kernel='s8s8'"):
         kernels.kernel_spec("int4", "s8s8")
-    with pytest.raises(ValueError, match=r"Invalid int8 einsum kernel\. Expected one of \('s8s8', 'u8s8'\) \(or None"):
+    with pytest.raises(ValueError, match=r"Invalid int8 einsum kernel\. Expected one of \('s8s8', 'u8s8', 'cpu_ffi'\) \(or None"):
         int8.int8_dense(jnp.ones((2, 4)), jnp.ones((4, 3), jnp.int8), jnp.ones((1, 3)), jnp.float32, kernel="S8S8")
     with pytest.raises(ValueError, match=r"Invalid float8 kernel\. Expected one of \('emulated', 'fp8_dot'\)"):
         _fp8(gaussian((4, 8)), gaussian((8, 4)), jnp.float32, "fp8")

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.numerics import _u8s8_dot
+from autopolicy.numerics import _u8s8_dot, cpu_kernels
 from autopolicy.numerics.device import Device, current_device
 
 __all__ = [
@@ -64,10 +64,12 @@ def column_sums(kernel_q: jax.Array, contract_axes: Sequence[int]) -> jax.Array:
 #: The int8 kernels. Each gives the same int32 accumulators, so the same outputs bit for bit:
 #: ``"s8s8"`` is XLA's s8 x s8 -> s32 dot; ``"u8s8"`` shifts the inputs by +128 into uint8,
 #: multiplies with the u8 x s8 -> s32 dot (:mod:`autopolicy.numerics._u8s8_dot`, the x86
-#: VNNI/AMX instruction) and subtracts the stored :func:`column_sums`.
-INT8_KERNELS = ("s8s8", "u8s8")
-#: The kernels of each op (the u8 x s8 dot is a matrix product, not a convolution).
-INT8_OP_KERNELS = (("einsum", ("s8s8", "u8s8")), ("conv2d", ("s8s8",)))
+#: VNNI/AMX instruction) and subtracts the stored :func:`column_sums`; ``"cpu_ffi"`` is
+#: autopolicy's own CPU kernel (:mod:`autopolicy.numerics.cpu_kernels`, an XLA FFI call).
+INT8_KERNELS = ("s8s8", "u8s8", "cpu_ffi")
+#: The kernels of each op (the u8 x s8 dot and the FFI kernel are matrix products, not
+#: convolutions).
+INT8_OP_KERNELS = (("einsum", ("s8s8", "u8s8", "cpu_ffi")), ("conv2d", ("s8s8",)))
 
 
 def int8_kernel_available(kernel: str, device: Device) -> bool:
@@ -83,7 +85,18 @@ def int8_kernel_available(kernel: str, device: Device) -> bool:
     _check_kernel(kernel, INT8_KERNELS, "einsum")
     if kernel == "u8s8":
         return device.platform == "cpu" and _u8s8_dot.AVAILABLE
+    if kernel == "cpu_ffi":
+        return ffi_available(device)
     return True
+
+
+def ffi_available(device: Device) -> bool:
+    """Whether autopolicy's CPU kernels run on ``device``: a CPU, the library built and loaded,
+    and one device (arrays sharded over several take the XLA kernels)."""
+    if device.platform != "cpu" or not cpu_kernels.AVAILABLE:
+        cpu_kernels.notice_once()
+        return False
+    return jax.device_count() == 1
 
 
 def default_int8_kernel(device: Device | None = None) -> str:
@@ -122,6 +135,13 @@ def _resolve_einsum_kernel(kernel: str | None, equation: str) -> str:
                              "version lacks; use kernel='s8s8'.")
         if _matmul_plan(equation) is None:
             raise ValueError(f"The int8 kernel 'u8s8' runs einsums that are one matrix product (no "
+                             f"batch axes); {equation!r} is not. Use kernel='s8s8'.")
+    if kernel == "cpu_ffi":
+        if not cpu_kernels.AVAILABLE:
+            raise ValueError(f"The int8 kernel 'cpu_ffi' is not available here: "
+                             f"{cpu_kernels.unavailable_reason()}. Use kernel='s8s8'.")
+        if _matmul_plan(equation) is None:
+            raise ValueError(f"The int8 kernel 'cpu_ffi' runs einsums that are one matrix product (no "
                              f"batch axes); {equation!r} is not. Use kernel='s8s8'.")
     return kernel
 
@@ -171,7 +191,30 @@ def _u8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):
     return jnp.transpose(acc, [(free_x + free_k).index(c) for c in out])
 
 
-_ACCUMULATE = {"s8s8": _s8s8_accumulate, "u8s8": _u8s8_accumulate}
+def _as_matmul(equation, x_q, kernel_q):
+    """The einsum's operands as ``(rows, K)`` and ``(K, N)``, and how to put the product back."""
+    lhs, rhs, out = _einsum_spec(equation)
+    free_x, summed, free_k = _matmul_plan(equation)
+    x_t = jnp.transpose(x_q, [lhs.index(c) for c in free_x + summed])
+    k_t = jnp.transpose(kernel_q, [rhs.index(c) for c in summed + free_k])
+    rows_shape, cols_shape = x_t.shape[: len(free_x)], k_t.shape[len(summed):]
+    k = int(np.prod(x_t.shape[len(free_x):]))
+    n = int(np.prod(cols_shape))
+
+    def back(acc):
+        acc = acc.reshape(rows_shape + cols_shape)
+        return jnp.transpose(acc, [(free_x + free_k).index(c) for c in out])
+
+    return x_t.reshape((-1, k)), k_t.reshape((k, n)), back
+
+
+def _ffi_accumulate(equation, x_q, kernel_q, kernel_colsum):
+    del kernel_colsum
+    x2, k2, back = _as_matmul(equation, x_q, kernel_q)
+    return back(cpu_kernels.int8_matmul(x2, k2))
+
+
+_ACCUMULATE = {"s8s8": _s8s8_accumulate, "u8s8": _u8s8_accumulate, "cpu_ffi": _ffi_accumulate}
 
 
 def int8_accumulate(equation: str, x_q: jax.Array, kernel_q: jax.Array, kernel: str | None = None,
@@ -190,8 +233,9 @@ def int8_accumulate(equation: str, x_q: jax.Array, kernel_q: jax.Array, kernel: 
         product.
 
     >>> x = jnp.array([[-127, 3]], jnp.int8); k = jnp.array([[2], [127]], jnp.int8)
-    >>> [int8_accumulate("mk,kn->mn", x, k, name)[0, 0].item() for name in INT8_KERNELS]
-    [127, 127]
+    >>> {int8_accumulate("mk,kn->mn", x, k, name)[0, 0].item() for name in INT8_KERNELS
+    ...  if name != "cpu_ffi" or cpu_kernels.AVAILABLE}
+    {127}
     """
     return _ACCUMULATE[_resolve_einsum_kernel(kernel, equation)](equation, x_q, kernel_q, kernel_colsum)
 

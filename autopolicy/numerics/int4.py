@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.numerics import _int8_accumulate, _u8s8_dot
+from autopolicy.numerics import _int8_accumulate, _u8s8_dot, cpu_kernels
 from autopolicy.numerics.int8 import INT8_MAX
 
 __all__ = [
@@ -53,6 +53,9 @@ __all__ = [
     "dequantize_int4",
     "int4_matmul",
     "int4_einsum",
+    "INT4_KERNELS",
+    "int4_kernel_available",
+    "default_int4_kernel",
     "block_size_of",
     "quantize_weights",
     "einsum_kernel",
@@ -167,7 +170,27 @@ def _column_sums(q: jax.Array, block_size: int) -> jax.Array:
     return 128 * jnp.sum(padded.reshape((groups, block) + q.shape[1:]), axis=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+#: The int4 kernels: ``"xla"`` (the int8 dots of XLA, one per block and half of the packed
+#: kernel) and ``"cpu_ffi"`` (autopolicy's CPU kernel, :mod:`autopolicy.numerics.cpu_kernels`:
+#: the nibbles unpacked in registers, the blocks' scales applied inside; equal to ``"xla"`` up
+#: to float32 rounding of the sum over blocks).
+INT4_KERNELS = ("xla", "cpu_ffi")
+
+
+def int4_kernel_available(kernel: str, device: Any) -> bool:
+    """Whether the int4 ``kernel`` is worth timing on ``device``."""
+    if kernel not in INT4_KERNELS:
+        raise ValueError(f"Invalid int4 kernel. Expected one of {INT4_KERNELS}. Received: kernel={kernel!r}")
+    return kernel == "xla" or _int8_accumulate.ffi_available(device)
+
+
+def default_int4_kernel(device: Any = None) -> str:
+    """``"xla"``: the FFI kernel runs only where a measurement chose it."""
+    del device
+    return "xla"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _int4_matmul(
     x: jax.Array,
     packed: jax.Array,
@@ -175,6 +198,7 @@ def _int4_matmul(
     colsum: jax.Array,
     block_size: int,
     compute_dtype: Any,
+    kernel: str = "xla",
 ) -> jax.Array:
     """``x @ kernel`` for ``x: (M, K)`` and a packed int4 kernel ``(ceil(K/2), N)``.
 
@@ -182,20 +206,24 @@ def _int4_matmul(
     ``(G, N)``; ``colsum`` ``(G, N)`` is ``128 * sum`` of each block's int4 values. Inputs get a
     straight-through gradient: the gradient of the product with the dequantized kernel.
     """
-    return _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype)[0]
+    return _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel)[0]
 
 
 # Jitted once per shape, block size and dtype: called outside a trace, its ops would otherwise
 # run (and compile) one by one.
-int4_matmul = jax.jit(_int4_matmul, static_argnums=(4, 5))
+int4_matmul = jax.jit(_int4_matmul, static_argnums=(4, 5, 6))
 
 
-def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype):
+def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel="xla"):
     rows, k = x.shape
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
     x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
     xq = jnp.clip(jnp.round(xf * (1.0 / x_scale)), -INT8_MAX, INT8_MAX)
+    if kernel == "cpu_ffi":
+        block = k if block_size == PER_CHANNEL else block_size
+        y = cpu_kernels.int4_matmul(xq.astype(jnp.int8), packed, scale.astype(jnp.float32), block)
+        return (y * x_scale).astype(compute_dtype), (x, packed, scale, colsum)
     # The u8 x s8 dot only where it is fast (VNNI/AMX), as int8's default kernel.
     u8 = jax.default_backend() == "cpu" and _int8_accumulate.default_int8_kernel() == "u8s8"
     if u8:
@@ -221,8 +249,8 @@ def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype):
     return (y * x_scale).astype(compute_dtype), (x, packed, scale, colsum)
 
 
-def _int4_matmul_bwd(block_size, compute_dtype, residuals, g):
-    del compute_dtype
+def _int4_matmul_bwd(block_size, compute_dtype, kernel, residuals, g):
+    del compute_dtype, kernel  # every kernel has the same forward values (to rounding): one gradient
     x, packed, scale, colsum = residuals
     kernel = dequantize_int4(packed, scale, x.shape[1], block_size, x.dtype)
     dx = jnp.matmul(g.astype(x.dtype), kernel.T)
@@ -248,8 +276,10 @@ def int4_einsum(
     colsum: jax.Array,
     block_size: int,
     compute_dtype: Any,
+    kernel: str | None = None,
 ) -> jax.Array:
-    """``einsum(equation, x, kernel)`` with the int4 kernel of :func:`quantize_weights`.
+    """``einsum(equation, x, kernel)`` with the int4 kernel of :func:`quantize_weights`;
+    ``kernel`` names the int4 kernel (:data:`INT4_KERNELS`; None: ``"xla"``).
 
     The kernel is stored as ``(K, *outputs)`` (its contracted axes, in the equation's kernel
     order, flattened into ``K``). An equation that is a matrix product once ``x`` is transposed
@@ -277,8 +307,11 @@ def int4_einsum(
     order = [lhs.index(c) for c in free_x + contracted]
     x2 = jnp.transpose(x, order).reshape((-1, k))
     n = math.prod(packed.shape[1:])
+    if kernel == "cpu_ffi" and not cpu_kernels.AVAILABLE:
+        raise ValueError(f"The int4 kernel 'cpu_ffi' is not available here: {cpu_kernels.unavailable_reason()}. "
+                         "Use kernel='xla'.")
     y2 = int4_matmul(x2, packed.reshape((packed.shape[0], n)), scale.reshape((scale.shape[0], n)),
-                     colsum.reshape((colsum.shape[0], n)), block_size, compute_dtype)
+                     colsum.reshape((colsum.shape[0], n)), block_size, compute_dtype, kernel or "xla")
     y = y2.reshape(tuple(sizes[c] for c in free_x) + packed.shape[1:])
     return jnp.transpose(y, [(free_x + others).index(c) for c in out])
 
@@ -311,7 +344,11 @@ def _quantize_kernel(kernel, axes, block_size, scale_dtype):
     return {"kernel": pack_int4(q), "kernel_scale": scale, "kernel_colsum": _column_sums(q, block_size)}
 
 
-def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, compute_dtype: Any) -> jax.Array:
+def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, compute_dtype: Any,
+                  kernel: str | None = None) -> jax.Array:
+    """The mode's einsum op; ``kernel`` names the int4 kernel (None: ``"xla"``)."""
     (block_size,) = layout
+    if kernel is not None and kernel not in INT4_KERNELS:
+        raise ValueError(f"Invalid int4 kernel. Expected one of {INT4_KERNELS}. Received: kernel={kernel!r}")
     return int4_einsum(equation, x, weights["kernel"], weights["kernel_scale"], weights["kernel_colsum"],
-                       block_size, compute_dtype)
+                       block_size, compute_dtype, kernel)

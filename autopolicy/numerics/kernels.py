@@ -34,13 +34,14 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-from autopolicy.numerics import float8, float_dot, int8
+from autopolicy.numerics import float8, float_dot, int4, int8
 from autopolicy.numerics.device import Device, current_device
 
 __all__ = [
     "KernelSpec",
     "MODE_KERNELS",
     "INT8_KERNEL_SPECS",
+    "INT4_KERNEL_SPECS",
     "FLOAT8_KERNEL_SPECS",
     "FLOAT_KERNEL_SPECS",
     "kernel_specs",
@@ -117,6 +118,35 @@ INT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
         summary="inputs shifted by +128 into uint8, XLA:CPU's u8 x s8 -> s32 dot (VNNI/AMX), minus "
                 "128 x the stored column sums",
     ),
+    KernelSpec(
+        mode="int8",
+        name="cpu_ffi",
+        ops=(("einsum", _bind(int8.einsum_kernel, "cpu_ffi")),),
+        available=functools.partial(int8.int8_kernel_available, "cpu_ffi"),
+        exact=True,
+        summary="autopolicy's own CPU kernel through the XLA FFI (AVX2 or portable, chosen at run time): "
+                "the weights streamed once, sign-extended pairs through vpmaddwd, on XLA's thread pool",
+    ),
+)
+
+INT4_KERNEL_SPECS: tuple[KernelSpec, ...] = (
+    KernelSpec(
+        mode="int4",
+        name="xla",
+        ops=(("einsum", _bind(int4.einsum_kernel, "xla")),),
+        available=functools.partial(int4.int4_kernel_available, "xla"),
+        exact=True,
+        summary="XLA's int8 dots over the unpacked halves, one accumulator per block, then the scales",
+    ),
+    KernelSpec(
+        mode="int4",
+        name="cpu_ffi",
+        ops=(("einsum", _bind(int4.einsum_kernel, "cpu_ffi")),),
+        available=functools.partial(int4.int4_kernel_available, "cpu_ffi"),
+        exact=False,
+        summary="autopolicy's own CPU kernel through the XLA FFI: nibbles unpacked in registers, the "
+                "block scales applied inside; within float32 rounding of the sum over blocks of 'xla'",
+    ),
 )
 
 FLOAT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
@@ -168,15 +198,17 @@ FLOAT_KERNEL_SPECS: tuple[KernelSpec, ...] = (
     ),
 )
 
-#: ``(mode, kernels)`` for every mode with more than one kernel; modes not listed (int4) have
-#: one kernel, their mode's own.
+#: ``(mode, kernels)`` for every mode with more than one kernel; modes not listed have one
+#: kernel, their mode's own.
 MODE_KERNELS: tuple[tuple[str, tuple[KernelSpec, ...]], ...] = (
     ("int8", INT8_KERNEL_SPECS),
+    ("int4", INT4_KERNEL_SPECS),
     ("float8", FLOAT8_KERNEL_SPECS),
 )
 
 _DEFAULTS: dict[str, Callable[[Device], str]] = {
     "int8": int8.default_int8_kernel,
+    "int4": int4.default_int4_kernel,
     "float8": float8.default_float8_kernel,
 }
 
@@ -185,8 +217,8 @@ def kernel_specs(mode: str) -> tuple[KernelSpec, ...]:
     """The kernels of ``mode``; ``()`` for a mode without a choice of kernels.
 
     >>> [spec.name for spec in kernel_specs("int8")]
-    ['s8s8', 'u8s8']
-    >>> kernel_specs("int4")
+    ['s8s8', 'u8s8', 'cpu_ffi']
+    >>> kernel_specs("gptq")
     ()
     """
     if mode == "float":
@@ -205,7 +237,7 @@ def kernel_spec(mode: str, name: str) -> KernelSpec:
     >>> kernel_spec("int8", "vnni")
     Traceback (most recent call last):
     ...
-    ValueError: Invalid int8 kernel. Expected one of ('s8s8', 'u8s8'). Received: kernel='vnni'
+    ValueError: Invalid int8 kernel. Expected one of ('s8s8', 'u8s8', 'cpu_ffi'). Received: kernel='vnni'
     """
     specs = kernel_specs(mode)
     for spec in specs:

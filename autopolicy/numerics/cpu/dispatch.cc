@@ -1,0 +1,62 @@
+// The run-time choice of instruction-set path: the CPU's features decide, never the build.
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace autopolicy_cpu {
+namespace {
+
+const Path kPortable{"portable", int8_portable, int4_portable};
+#if defined(__x86_64__)
+const Path kAvx2{"avx2", int8_avx2, int4_avx2};
+#endif
+
+bool cpu_has(const char* name) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+#endif
+  if (std::strcmp(name, "portable") == 0) return true;
+#if defined(__x86_64__)
+  if (std::strcmp(name, "avx2") == 0) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return false;
+}
+
+const Path* by_name(const char* name) {
+  if (std::strcmp(name, "portable") == 0) return &kPortable;
+#if defined(__x86_64__)
+  if (std::strcmp(name, "avx2") == 0) return &kAvx2;
+#endif
+  return nullptr;
+}
+
+const Path* best() {
+  const char* forced = std::getenv("AUTOPOLICY_CPU_PATH");
+  if (forced != nullptr && *forced != '\0') {
+    const Path* path = by_name(forced);
+    if (path != nullptr && cpu_has(forced)) return path;
+  }
+  const Path* path = by_name("avx2");
+  return path != nullptr && cpu_has("avx2") ? path : &kPortable;
+}
+
+const Path* g_path = nullptr;
+
+}  // namespace
+
+const Path& current_path() {
+  if (g_path == nullptr) g_path = best();
+  return *g_path;
+}
+
+bool set_path(const char* name) {
+  const Path* path = by_name(name);
+  if (path == nullptr || !cpu_has(name)) return false;
+  g_path = path;
+  return true;
+}
+
+bool path_supported(const char* name) { return by_name(name) != nullptr && cpu_has(name); }
+
+}  // namespace autopolicy_cpu

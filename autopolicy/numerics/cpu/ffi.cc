@@ -1,0 +1,117 @@
+// The XLA FFI binding: checks shapes and dtypes (naming the bad one), splits the output columns
+// over XLA's own intra-op thread pool (the caller takes its share too), and runs the current
+// path's kernel. No state across calls.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace autopolicy_cpu {
+namespace {
+
+constexpr int64_t kColumnsPerTask = 64;
+
+// Runs body(n0, n1) over [0, n) in chunks, on the pool and the calling thread. The caller never
+// waits for a task that has not started: chunks are claimed from a counter, and the caller
+// waits only for claimed chunks to finish.
+template <typename Body>
+void parallel_columns(ffi::ThreadPool& pool, int64_t n, int64_t min_chunk, Body body) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t chunks = std::min<int64_t>(threads, std::max<int64_t>(1, n / min_chunk));
+  if (chunks <= 1) {
+    body(0, n);
+    return;
+  }
+  int64_t step = (n + chunks - 1) / chunks;
+  step = (step + 15) / 16 * 16;  // whole SIMD chunks of 16 columns
+  chunks = (n + step - 1) / step;
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto run = [state, chunks, step, n, body]() {
+    for (int64_t c; (c = state->next.fetch_add(1)) < chunks;) {
+      body(c * step, std::min(n, (c + 1) * step));
+      state->done.fetch_add(1);
+    }
+  };
+  for (int64_t t = 1; t < chunks; ++t) pool.Schedule([run]() { run(); });
+  run();
+  while (state->done.load() < chunks) std::this_thread::yield();
+}
+
+ffi::Error bad(const std::string& what) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, what); }
+
+ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                    ffi::ResultBuffer<ffi::S32> acc) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2) return bad("autopolicy int8 matmul: x must be (M, K); its rank is " + std::to_string(xd.size()));
+  if (wd.size() != 2 || wd[0] != xd[1])
+    return bad("autopolicy int8 matmul: the kernel must be (K, N) with K = " + std::to_string(xd[1]));
+  const int64_t m = xd[0], k = xd[1], n = wd[1];
+  const Path& path = current_path();
+  const int8_t* xp = x.typed_data();
+  const int8_t* wp = w.typed_data();
+  int32_t* out = acc->typed_data();
+  parallel_columns(pool, n, kColumnsPerTask, [=](int64_t n0, int64_t n1) { path.int8(xp, m, k, wp, n, n0, n1, out); });
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
+                    int64_t block, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2) return bad("autopolicy int4 matmul: x must be (M, K); its rank is " + std::to_string(xd.size()));
+  const int64_t m = xd[0], k = xd[1];
+  if (wd.size() != 2 || wd[0] != (k + 1) / 2)
+    return bad("autopolicy int4 matmul: the packed kernel must be (ceil(K/2), N) with K = " + std::to_string(k));
+  if (block <= 0 || block > k) return bad("autopolicy int4 matmul: block must be in [1, K]; got " + std::to_string(block));
+  const int64_t n = wd[1];
+  const int64_t groups = (k + block - 1) / block;
+  if (sd.size() != 2 || sd[0] != groups || sd[1] != n)
+    return bad("autopolicy int4 matmul: the scale must be (G, N) = (" + std::to_string(groups) + ", " + std::to_string(n) + ")");
+  const int64_t half = (k + 1) / 2;
+  // SIMD paths take rows in pairs: a pair must not straddle a block.
+  const bool pairs_ok = groups == 1 || (block % 2 == 0 && half % 2 == 0);
+  const Path& path = current_path();
+  Int4Fn fn = pairs_ok ? path.int4 : int4_portable;
+  const int8_t* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data();
+  const float* sp = scale.typed_data();
+  float* yp = out->typed_data();
+  parallel_columns(pool, n, kColumnsPerTask, [=](int64_t n0, int64_t n1) { fn(xp, m, k, wp, n, block, sp, n0, n1, yp); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace autopolicy_cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt8Matmul, autopolicy_cpu::Int8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt4Matmul, autopolicy_cpu::Int4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("block")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// For ctypes: the path in use, forcing one (tests), and which the CPU supports.
+extern "C" {
+const char* autopolicy_cpu_path() { return autopolicy_cpu::current_path().name; }
+int autopolicy_cpu_set_path(const char* name) { return autopolicy_cpu::set_path(name) ? 1 : 0; }
+int autopolicy_cpu_path_supported(const char* name) { return autopolicy_cpu::path_supported(name) ? 1 : 0; }
+}

@@ -1,0 +1,51 @@
+// Integer matrix products for autopolicy's quantized layers on CPUs.
+//
+// Every kernel computes int32 accumulators of int8 activations (rows of x, quantized per row by
+// the caller) against the package's own weight storage, for the output columns [n0, n1):
+//   int8:  w is (K, N) int8, row-major;                acc[m, n] = sum_k x[m, k] * w[k, n]
+//   int4:  w is (ceil(K/2), N) uint8, byte row i holding row i in its low nibble and row
+//          i + ceil(K/2) in its high one (signed nibbles), with a float scale per block of
+//          `block` rows and column (scale: (G, N), G = ceil(K / block); per channel: block = K);
+//          out[m, n] = sum_g float(sum over block g of x * w) * scale[g, n], in float32 (the
+//          portable path sums the blocks in order, as the package's XLA path does).
+// The instruction-set variants sit side by side behind one table (dispatch.cc), chosen at run
+// time from the CPU's features; the portable variant is the reference every other is tested
+// against. No state is kept across calls.
+#pragma once
+
+#include <cstdint>
+
+namespace autopolicy_cpu {
+
+using Int8Fn = void (*)(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0,
+                        int64_t n1, int32_t* acc);
+using Int4Fn = void (*)(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+                        const float* scale, int64_t n0, int64_t n1, float* out);
+
+struct Path {
+  const char* name;
+  Int8Fn int8;
+  Int4Fn int4;
+};
+
+// The portable reference path (plain C++).
+void int8_portable(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1,
+                   int32_t* acc);
+void int4_portable(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+                   const float* scale, int64_t n0, int64_t n1, float* out);
+
+// AVX2 (vpmaddwd on sign-extended 16-bit pairs: exact for every int8 value, -128 included).
+void int8_avx2(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1,
+               int32_t* acc);
+void int4_avx2(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+               const float* scale, int64_t n0, int64_t n1, float* out);
+
+// The path this process uses: the best one the CPU supports, or the one AUTOPOLICY_CPU_PATH
+// names (for tests), or the one set by set_path.
+const Path& current_path();
+// Sets the path by name ("portable", "avx2"); returns false when unknown or unsupported here.
+bool set_path(const char* name);
+// Whether the CPU supports a path by name.
+bool path_supported(const char* name);
+
+}  // namespace autopolicy_cpu

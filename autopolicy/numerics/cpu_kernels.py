@@ -1,0 +1,160 @@
+"""autopolicy's own CPU kernels, called through the XLA FFI: int8 x int8 -> int32 products
+against the package's int8 and packed int4 weights, where XLA's own are slower than float32.
+
+The C++ (``autopolicy/numerics/cpu/``) is built by ``pip install -e .`` into one shared library
+beside it; its instruction-set path (AVX2, or the portable reference) is chosen when it loads,
+from the CPU's features, never at build time. The kernels compute the int32 accumulators only:
+the input quantization before and the rescale after are the package's XLA code, shared by every
+kernel, so the outputs equal the XLA kernels' bit for bit. Work is split over XLA's own intra-op
+thread pool (the FFI's ``ThreadPool`` context), so no thread of ours outlives a call.
+
+Without the library (no compiler at install, or ``AUTOPOLICY_DISABLE_CPU_KERNELS=1``) nothing
+fails: :data:`AVAILABLE` is False, :func:`unavailable_reason` says why, and the search times the
+XLA kernels only (one notice on the ``autopolicy`` logger names why).
+
+>>> import jax.numpy as jnp
+>>> if AVAILABLE:  # the accumulators of [[1, -2]] @ [[3], [4]]
+...     assert int(int8_matmul(jnp.array([[1, -2]], jnp.int8), jnp.array([[3], [4]], jnp.int8))[0, 0]) == -5
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
+           "supported_paths", "PATHS", "int8_matmul", "int4_matmul", "notice_once"]
+
+#: Set to 1 to leave the kernels out (as on a machine without a compiler).
+DISABLE_ENV = "AUTOPOLICY_DISABLE_CPU_KERNELS"
+#: The instruction-set paths, best first.
+PATHS = ("avx2", "portable")
+_INT8_TARGET, _INT4_TARGET = "autopolicy_int8_matmul", "autopolicy_int4_matmul"
+_log = logging.getLogger("autopolicy")
+
+
+def library_path() -> str | None:
+    """The built library's file, or None when the install built none."""
+    here = os.path.join(os.path.dirname(__file__), "cpu")
+    found = sorted(glob.glob(os.path.join(here, "_autopolicy_cpu*.so")))
+    return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
+        return None, f"{DISABLE_ENV} is set"
+    file = library_path()
+    if file is None:
+        return None, ("the C++ kernels were not built at install (no C++ compiler, or the build failed: "
+                      "reinstall with `pip install -e . -v` to see why)")
+    try:
+        lib = ctypes.CDLL(file)
+        for target, symbol in ((_INT8_TARGET, lib.AutopolicyInt8Matmul), (_INT4_TARGET, lib.AutopolicyInt4Matmul)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+        lib.autopolicy_cpu_path.restype = ctypes.c_char_p
+        lib.autopolicy_cpu_set_path.argtypes = lib.autopolicy_cpu_path_supported.argtypes = [ctypes.c_char_p]
+    except (OSError, AttributeError) as e:
+        return None, f"{os.path.basename(file)} failed to load: {e}"
+    return lib, None
+
+
+AVAILABLE = _load()[0] is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are not available, or None when they are."""
+    return _load()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def notice_once() -> None:
+    """Logs, once per process, that the search keeps to XLA kernels and why."""
+    if not AVAILABLE:
+        _log.warning("autopolicy: the CPU kernels are not available (%s); the XLA kernels are used.",
+                     unavailable_reason())
+
+
+def _lib() -> ctypes.CDLL:
+    lib, reason = _load()
+    if lib is None:
+        raise RuntimeError(f"autopolicy's CPU kernels are not available: {reason}.")
+    return lib
+
+
+def path() -> str:
+    """The instruction-set path the kernels run (``"avx2"`` or ``"portable"``)."""
+    return _lib().autopolicy_cpu_path().decode()
+
+
+def supported_paths() -> tuple[str, ...]:
+    """The paths this CPU can run, best first."""
+    lib = _lib()
+    return tuple(p for p in PATHS if lib.autopolicy_cpu_path_supported(p.encode()))
+
+
+def set_path(name: str) -> None:
+    """Makes the kernels run ``name`` (for tests and benchmarks; ``AUTOPOLICY_CPU_PATH`` sets it
+    at load). Programs compiled before still call the same library, so the change is immediate.
+
+    Raises:
+      ValueError: for a path that is unknown or that this CPU cannot run.
+    """
+    supported = supported_paths()
+    if name not in supported:
+        raise ValueError(f"Invalid CPU kernel path. Expected one of {supported} (on this CPU). Received: {name!r}")
+    _lib().autopolicy_cpu_set_path(name.encode())
+
+
+def _check(x: jax.Array, w: jax.Array, w_dtype: str, what: str) -> None:
+    if x.ndim != 2 or x.dtype != jnp.int8:
+        raise ValueError(f"{what}: x must be a 2-D int8 array. Received: {x.dtype}{list(x.shape)}")
+    if w.ndim != 2 or w.dtype != jnp.dtype(w_dtype):
+        raise ValueError(f"{what}: the kernel must be a 2-D {w_dtype} array. Received: {w.dtype}{list(w.shape)}")
+
+
+def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` accumulated in int32, for int8 ``x: (M, K)`` and ``w: (K, N)``.
+
+    Raises:
+      ValueError: for operands of other ranks, dtypes or mismatched ``K``.
+      RuntimeError: when the kernels are not available (see :func:`unavailable_reason`).
+    """
+    _check(x, w, "int8", "int8_matmul")
+    if w.shape[0] != x.shape[1]:
+        raise ValueError(f"int8_matmul: x is (M, {x.shape[1]}) but the kernel has {w.shape[0]} rows.")
+    _lib()
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.int32)
+    return jax.ffi.ffi_call(_INT8_TARGET, out)(x, w)
+
+
+def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, block: int) -> jax.Array:
+    """``sum_g float(acc_g) * scale[g]`` ``(M, N)`` float32: the per-block int32 accumulators of
+    int8 ``x: (M, K)`` times the int4 kernel packed as :func:`autopolicy.numerics.int4.pack_int4`
+    does (``(ceil(K/2), N)`` uint8), each times its block's scales ``scale: (G, N)``, with
+    ``G = ceil(K / block)`` blocks of ``block`` rows (``block = K``: one, per channel).
+
+    Raises:
+      ValueError: for operands of other ranks or dtypes, a packed kernel of the wrong height, a
+        scale of the wrong shape, or a block outside ``[1, K]``.
+    """
+    _check(x, packed, "uint8", "int4_matmul")
+    k, n = x.shape[1], packed.shape[1]
+    if packed.shape[0] != (k + 1) // 2:
+        raise ValueError(f"int4_matmul: x is (M, {k}), so the packed kernel needs {(k + 1) // 2} rows; "
+                         f"it has {packed.shape[0]}.")
+    if not 1 <= block <= k:
+        raise ValueError(f"int4_matmul: block must be in [1, {k}]. Received: block={block}")
+    groups = -(-k // block)
+    if tuple(scale.shape) != (groups, n) or scale.dtype != jnp.float32:
+        raise ValueError(f"int4_matmul: the scale must be float32 ({groups}, {n}). Received: "
+                         f"{scale.dtype}{list(scale.shape)}")
+    _lib()
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(_INT4_TARGET, out)(x, packed, scale, block=int(block))
