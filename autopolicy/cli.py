@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--no-progress", action="store_true")
 
     add("list", help="list the built-in experiments")
+    add("device", help="this machine: CPU model and features, the kernels built and those that would run, "
+                       "jax and XLA versions")
 
     apply = add("apply", help="apply a policy map to a .keras model and save the tuned model")
     apply.add_argument("map_file", help="a policy map (JSON, Keras envelope), e.g. RUN_DIR/policy_map.json")
@@ -337,8 +339,16 @@ def _apply(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _device(args: argparse.Namespace) -> int:
+    del args
+    from autopolicy.numerics import _device_report  # pylint: disable=import-outside-toplevel
+
+    print(_device_report.device_report())
+    return EXIT_OK
+
+
 _COMMANDS = {"tune": _tune, "report": _report, "export": _export, "show": _show, "profile": _profile,
-             "list": _list, "apply": _apply}
+             "list": _list, "apply": _apply, "device": _device}
 
 
 def _first_line(text: str) -> str:

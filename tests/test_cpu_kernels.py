@@ -159,3 +159,17 @@ def test_switched_off_the_package_keeps_to_xla_with_one_notice():
     assert lines.count("autopolicy: the CPU kernels are not available (AUTOPOLICY_DISABLE_CPU_KERNELS is set); "
                        "the XLA kernels are used.") == 1
     assert lines[-1] == "('s8s8', 'u8s8') ('xla',)"
+
+
+def test_the_device_command_names_the_cpu_and_kernels(capsys):
+    from autopolicy import cli
+
+    assert cli.main(["device"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("device: cpu (")
+    assert out[2].startswith("cpu features: ")
+    expected = (f"cpu kernels: built ({os.path.basename(cpu_kernels.library_path())}); paths this CPU runs: "
+                if cpu_kernels.AVAILABLE else "cpu kernels: not available (")
+    assert out[3].startswith(expected)
+    assert out[5].startswith("int4 kernels timed by the search here: xla") and "(default without a measurement: xla)" in out[5]
+    assert out[-1].startswith(f"jax {jax.__version__}, jaxlib ")
