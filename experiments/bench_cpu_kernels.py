@@ -1,0 +1,204 @@
+"""autopolicy's CPU kernels (XLA FFI) beside XLA's own paths and Keras 3's quantized Dense, on the
+SmolLM2-135M layer shapes and 4096 x 4096, with the machine's memory bandwidth as the limit.
+
+For each shape ``K x N`` and batch ``M``, times side by side in one run, with
+:class:`autopolicy.search.timing.Timer` (jitted, warmed up, amortized over several calls in one
+compiled loop, every candidate once per round in a fresh random order, medians; ratios paired
+within rounds, with their quartiles):
+
+- ``float32``: XLA's dot ``x @ w`` (what a float32 Dense runs);
+- ``int8 xla`` / ``int8 ffi``: the package's int8 Dense op (input quantized per row, int8
+  weights per channel, int32 accumulation, rescale) with the kernel ``s8s8`` (XLA's dot) or
+  ``cpu_ffi`` (autopolicy's C++ kernel);
+- ``int4 xla`` / ``int4 ffi``: the same with int4 weights per channel; ``int4/32 ffi`` with
+  blocks of 32 (the grid of the SmolLM2 checkpoint);
+- ``keras int8`` / ``keras int4``: Keras 3's ``Dense(N)`` with the same weights after
+  ``.quantize(...)`` (JAX backend, ``stateless_call`` in the same compiled loop).
+
+The bandwidth probe sums a 256 MB float32 array (read once per call); at batch 1 each kernel's
+share of that limit is ``weight bytes / time / bandwidth``.
+
+Usage::
+
+    python experiments/bench_cpu_kernels.py                 # every shape and batch, ~10 min on 2 cores
+    python experiments/bench_cpu_kernels.py --batches 1 4 --shapes 576x1536 4096x4096 --out /tmp/k.md
+
+Without ``--out`` the report goes to ``reports/cpu-kernels-<device>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import sys
+from typing import Any
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import device_lines, device_slug, paired_ratio  # noqa: E402
+
+from autopolicy import _atomic  # noqa: E402
+from autopolicy.numerics import cpu_kernels, int4, int8  # noqa: E402
+from autopolicy.numerics.device import current_device, read_cpuinfo  # noqa: E402
+from autopolicy.search.timing import Candidate, Timer  # noqa: E402
+
+SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152), (4096, 4096))
+BATCHES = (1, 4, 32, 256)
+BASELINE = "float32"
+
+
+def _int8_op(kernel: str):
+    def call(state, x):
+        kq, ks, colsum = state
+        return int8.int8_dense(x, kq, ks, jnp.float32, colsum, kernel)
+    return call
+
+
+def _int4_op(kernel: str, block: int):
+    def call(weights, x):
+        return int4.einsum_kernel("mk,kn->mn", x, weights, (block,), jnp.float32, kernel=kernel)
+    return call
+
+
+def _keras_dense(w: np.ndarray, mode: str) -> Candidate | None:
+    try:
+        import keras  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return None
+    if keras.backend.backend() != "jax":
+        return None
+    layer = keras.layers.Dense(w.shape[1], use_bias=False)
+    layer.build((None, w.shape[0]))
+    layer.kernel.assign(w)
+    layer.quantize(mode)
+    state = ([v.value for v in layer.trainable_variables], [v.value for v in layer.non_trainable_variables])
+    return Candidate(lambda variables, x: layer.stateless_call(variables[0], variables[1], x)[0], (), state=state)
+
+
+def candidates(m: int, k: int, n: int, seed: int) -> tuple[dict[str, Candidate], dict[str, int]]:
+    """``{name: candidate}`` for one shape and batch, and the weight bytes each reads per call."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    w_np = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    w = jnp.asarray(w_np)
+    q8 = int8.quantize_weights(w, (0,), "einsum", None, jnp.float32)
+    state8 = (q8["kernel"], q8["kernel_scale"], q8["kernel_colsum"])
+    q4 = int4._quantize_kernel(w, (0,), int4.PER_CHANNEL, jnp.dtype(jnp.float32))  # pylint: disable=protected-access
+    q4b = int4._quantize_kernel(w, (0,), 32, jnp.dtype(jnp.float32))  # pylint: disable=protected-access
+    out = {BASELINE: Candidate(lambda w_, x_: x_ @ w_, (x,), state=w),
+           "int8 xla": Candidate(_int8_op("s8s8"), (x,), state=state8),
+           "int4 xla": Candidate(_int4_op("xla", int4.PER_CHANNEL), (x,), state=q4)}
+    nbytes = {BASELINE: 4 * k * n, "int8 xla": k * n, "int4 xla": k * n // 2}
+    if cpu_kernels.AVAILABLE:
+        out["int8 ffi"] = Candidate(_int8_op("cpu_ffi"), (x,), state=state8)
+        out["int4 ffi"] = Candidate(_int4_op("cpu_ffi", int4.PER_CHANNEL), (x,), state=q4)
+        out["int4/32 ffi"] = Candidate(_int4_op("cpu_ffi", 32), (x,), state=q4b)
+        nbytes.update({"int8 ffi": k * n, "int4 ffi": k * n // 2, "int4/32 ffi": k * n // 2 + k * n // 8})
+    for mode in ("int8", "int4"):
+        keras_candidate = _keras_dense(w_np, mode)
+        if keras_candidate is not None:
+            out[f"keras {mode}"] = Candidate(keras_candidate.fn, (x,), state=keras_candidate.state)
+            nbytes[f"keras {mode}"] = k * n if mode == "int8" else k * n // 2
+    return out, nbytes
+
+
+def bandwidth(seconds: float = 2.0) -> float:
+    """Bytes per second of a read-only sum over 256 MB (median of repeated calls)."""
+    data = jnp.ones((64 * 1024 * 1024,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(data).block_until_ready()
+    times = []
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=seconds)
+    while datetime.datetime.now() < deadline or len(times) < 5:
+        start = datetime.datetime.now()
+        total(data).block_until_ready()
+        times.append((datetime.datetime.now() - start).total_seconds())
+    return data.nbytes / float(np.median(times))
+
+
+def bench(m: int, k: int, n: int, repeats: int, seed: int, bw: float) -> list[dict[str, Any]]:
+    cands, nbytes = candidates(m, k, n, seed)
+    timer = Timer(cands, warmup=1, seed=seed)
+    timer.rounds(repeats)
+    timings = timer.timings()
+    rows = []
+    for name, t in timings.items():
+        rows.append({"shape": f"{k}x{n}", "batch": m, "name": name, "median_us": t.median * 1e6,
+                     "vs_float32": paired_ratio(timings[BASELINE], t),
+                     "bandwidth": nbytes[name] / t.median / bw})
+    return rows
+
+
+def _fmt(r: tuple[float, float, float]) -> str:
+    return f"{r[0]:.2f}x [{r[1]:.2f}-{r[2]:.2f}]"
+
+
+def markdown(rows: list[dict[str, Any]], bw: float, command: str) -> str:
+    device = current_device()
+    cpu_model, _ = read_cpuinfo()
+    path = cpu_kernels.path() if cpu_kernels.AVAILABLE else f"not available ({cpu_kernels.unavailable_reason()})"
+    lines = [f"# autopolicy's CPU kernels (XLA FFI) on {cpu_model or device.device_kind}", "",
+             f"Measured {datetime.date.today()} with `{command}`.", ""] + device_lines(device, cpu_model) + [
+             f"- CPU kernel path: `{path}`; memory bandwidth (read-only sum of 256 MB): {bw / 1e9:.1f} GB/s", "",
+             "Each cell: median time per call, and the paired ratio to float32 (median [quartiles] over rounds; "
+             "> 1 is faster); at batch 1, the share of the bandwidth limit (weight bytes / time / bandwidth).", ""]
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    lines += ["| shape K x N | batch | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for key in dict.fromkeys((r["shape"], r["batch"]) for r in rows):
+        cells = {r["name"]: r for r in rows if (r["shape"], r["batch"]) == key}
+        text = []
+        for name in names:
+            r = cells.get(name)
+            if r is None:
+                text.append("—")
+                continue
+            cell = f"{r['median_us']:.0f} us, {_fmt(r['vs_float32'])}"
+            if key[1] == 1:
+                cell += f", {100 * r['bandwidth']:.0f}% bw"
+            text.append(cell)
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(text) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES], help="K x N, e.g. 576x1536")
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--repeats", type=int, default=None, help="rounds (default: 9 at batch <= 32, else 5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python experiments/bench_cpu_kernels.py" + (" " + shlex.join(argv if argv is not None else sys.argv[1:])
+                                                             if (argv if argv is not None else sys.argv[1:]) else "")
+    bw = bandwidth()
+    print(f"bandwidth: {bw / 1e9:.1f} GB/s", file=sys.stderr)
+    rows = []
+    for shape in args.shapes:
+        k, n = (int(v) for v in shape.lower().split("x"))
+        for m in args.batches:
+            repeats = args.repeats or (9 if m <= 32 else 5)
+            rows += bench(m, k, n, repeats, args.seed, bw)
+            print(f"{k}x{n} batch {m}: " + ", ".join(f"{r['name']} {_fmt(r['vs_float32'])}" for r in rows[-9:]
+                                                      if r["shape"] == f"{k}x{n}" and r["batch"] == m), file=sys.stderr)
+    text = markdown(rows, bw, command)
+    cpu_model, _ = read_cpuinfo()
+    out = args.out or os.path.join("reports", f"cpu-kernels-{device_slug(current_device(), cpu_model)}.md")
+    _atomic.write_text(out, text)
+    print(text)
+    print(f"written {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
