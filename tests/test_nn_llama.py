@@ -328,3 +328,19 @@ def test_cached_decoding_equals_the_full_forward_on_smollm2(smol):
         step, cache = generation.decode_step(model, cache, jnp.asarray([ids[t]], jnp.int32), jnp.asarray(t, jnp.int32))
         np.testing.assert_allclose(np.asarray(step)[0], full[t], rtol=1e-3, atol=2e-3)
         assert int(np.argmax(step)) == int(np.argmax(full[t]))
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_smollm2_experiment_times_a_decode_step_and_scores_minus_perplexity(smol, monkeypatch):
+    monkeypatch.setattr(smollm2, "load", lambda path=None: smol)
+    exp = smollm2.build(None)
+    assert (exp.name, exp.max_drop, exp.relative) == ("smollm2", 0.02, True)
+    token, start, cache = exp.sample_input
+    assert token.shape == (1, 1) and int(start) == 255 and len(cache) == 30 and cache[0][0].shape == (1, 256, 3, 64)
+    logits, new_cache = exp.model(*(jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in exp.sample_input))
+    assert logits.shape == (1, 1, 49152) and float(jnp.abs(new_cache[0][0][0, 255]).max()) > 0
+    (calibration,) = exp.calibration_inputs[0]
+    assert calibration.shape == (4, 128)
+    metric = exp.eval_fn(exp.model)
+    assert -40 < metric < -12  # minus a perplexity
