@@ -50,6 +50,11 @@ def _interleaved_ref(x, positions, base):
     return np.stack([z.real, z.imag], axis=-1).reshape(x.shape)
 
 
+def _weights(model):
+    return {f"{p}/{a}": getattr(m, a) for p, m in model.layers_by_path().items()
+            for a in ("kernel", "scale") if getattr(m, a, None) is not None}
+
+
 def _decoder_ref(model, ids):
     """A float64 NumPy forward pass of a LlamaDecoder from its weights (np.repeat for GQA)."""
     c = model.config
@@ -180,6 +185,23 @@ def test_layer_paths_head_and_embedding_separate_and_policies_apply(small):
     full, quant = np.asarray(small(ids)), np.asarray(tuned(ids))
     error = np.linalg.norm(quant - full) / np.linalg.norm(full)
     assert 1e-4 < error < 0.1, error
+
+
+@pytest.mark.slow
+def test_a_tuned_decoder_saves_and_loads(small, tmp_path):
+    import dataclasses
+
+    model = nn.LlamaDecoder(dataclasses.asdict(SMALL), name="tiny").build(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    model, _ = nn.load_weights(model, {k: np.asarray(v) for k, v in _weights(small).items()})
+    tuned = model.with_dtype_policy(policies.DTypePolicyMap("float32", {"tiny/head": "int8_from_float32",
+                                                                       "tiny/block_1/mlp/up": "int4_from_float32"}))
+    nn.save(tuned, tmp_path / "tiny")
+    back = nn.load(tmp_path / "tiny")
+    assert back.config == SMALL and back.layers_by_path()["tiny/head"].kernel.dtype == jnp.int8
+    ids = jnp.array([[3, 17, 5, 39]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(back(ids)), np.asarray(tuned(ids)))
+    with pytest.raises(TypeError, match=r"config must be a LlamaConfig or a dict of its fields. Received: 3"):
+        nn.LlamaDecoder(3)
 
 
 @pytest.mark.slow

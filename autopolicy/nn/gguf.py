@@ -6,6 +6,7 @@ Needs the ``gguf`` package (``pip install gguf``), imported only when a file is 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -195,7 +196,7 @@ def load_gguf(path: Any, name: str = "llama", dtype: Any = None) -> tuple[LlamaD
 
     reader = _reader(path)
     config = read_config(reader)
-    model = LlamaDecoder(config, name=name, dtype=dtype)
+    model = LlamaDecoder(dataclasses.asdict(config), name=name, dtype=dtype)  # a dict: it saves
     model = model.build(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))
     model, _ = load_weights(model, gguf_weights(reader, config, name))
     return model, config, gguf_tokenizer(reader)

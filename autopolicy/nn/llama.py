@@ -73,6 +73,19 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.dim // self.heads
 
+    @classmethod
+    def of(cls, config: Any) -> "LlamaConfig":
+        """``config`` itself, or the config made from a dict of its fields.
+
+        Raises:
+          TypeError: for anything else.
+        """
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, dict):
+            return cls(**config)
+        raise TypeError(f"config must be a LlamaConfig or a dict of its fields. Received: {config!r}")
+
 
 def rotary(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
     """Rotary position embeddings in the "rotate half" layout (Hugging Face's): feature ``i`` of
@@ -198,8 +211,9 @@ class LlamaBlock(Module):
     """A pre-norm decoder block: ``x + attention(attention_norm(x))``, then
     ``x + mlp(mlp_norm(x))``. Call as the attention: ``block(x, start=None, cache=None)``."""
 
-    def __init__(self, config: LlamaConfig, *, name: str | None = None, dtype: Any = None):
+    def __init__(self, config: Any, *, name: str | None = None, dtype: Any = None):
         super().__init__(name=name, dtype=dtype)
+        config = LlamaConfig.of(config)
         self.attention_norm = RMSNormalization(config.norm_epsilon, name="attention_norm")
         self.attention = LlamaAttention(config.heads, config.kv_heads, config.head_dim, config.rope_base,
                                         name="attention")
@@ -219,6 +233,9 @@ class LlamaDecoder(Module):
     """A llama-family causal language model: ``embedding``, ``block_0 ..``, ``final_norm`` and
     ``head`` (a Dense from the model width to the vocabulary, no bias).
 
+    ``config`` is a :class:`LlamaConfig` or a dict of its fields; only a model made from a dict
+    saves with :func:`~autopolicy.nn.save` (:func:`~autopolicy.nn.load_gguf` makes it so).
+
     The head and the embedding are separate layers, each with its own policy, even where the
     checkpoint ties them (one tensor): :func:`~autopolicy.nn.load_gguf` loads the same values
     into both, so the float model holds the table twice.
@@ -235,13 +252,13 @@ class LlamaDecoder(Module):
     ['llama_decoder/embedding', 'llama_decoder/block_0/attention_norm', 'llama_decoder/block_0/attention/query', 'llama_decoder/block_0/attention/key']
     """
 
-    def __init__(self, config: LlamaConfig, *, name: str | None = None, dtype: Any = None):
+    def __init__(self, config: Any, *, name: str | None = None, dtype: Any = None):
         super().__init__(name=name, dtype=dtype)
-        if not isinstance(config, LlamaConfig):
-            raise TypeError(f"config must be a LlamaConfig. Received: {config!r}")
+        config = LlamaConfig.of(config)
         self.config = config
         self.embedding = Embedding(config.vocab_size, config.dim, "random_normal", name="embedding")
-        self.blocks = [LlamaBlock(config, name=f"block_{i}") for i in range(config.blocks)]
+        fields = dataclasses.asdict(config)  # a dict has a JSON form: the blocks save and load
+        self.blocks = [LlamaBlock(fields, name=f"block_{i}") for i in range(config.blocks)]
         self.final_norm = RMSNormalization(config.norm_epsilon, name="final_norm")
         self.head = Dense(config.vocab_size, use_bias=False, name="head")
 
