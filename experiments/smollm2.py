@@ -15,6 +15,23 @@ calibration and held-out text, each part joined, tokenized and cut into consecut
 WINDOW tokens. Perplexity is lower-is-better; the tuner takes higher-is-better metrics, so
 :func:`build` scores minus the perplexity (a relative ``max_drop`` then bounds the perplexity's
 rise as a fraction of float32's). The timed objective is one decode step at cache length CACHE.
+
+What ``autopolicy.search.tune`` lacks for this task (issue 24), worked around here or not:
+
+- Metric direction: only higher-is-better; minus the perplexity stands in, so reports show
+  negative perplexities and "drops" of minus a perplexity, and nothing rejects a non-positive
+  perplexity.
+- Objectives: only ``model(*sample_input)`` is timed. A decode step fits (its arguments are the
+  sample input); a prefill of P tokens fits the same way; a whole generation (P + G tokens: a
+  prefill then G decode steps) and tokens/s do not. The attention over the cache is inside
+  ``LlamaAttention``, not a tunable layer: it appears only in end-to-end timings.
+- Memory: ``memory_budget`` bounds the summed stored bytes of the tuned layers (solver and
+  verification), but the tied table counts twice (the embedding and the head are separate
+  layers with separate copies), and there is no error for a budget below the all-lowest-precision
+  model's bytes beyond the existing "cannot be met" check.
+- Scale: 272 tunable layers; one-layer-at-a-time accuracy measurement (``profile_accuracy``
+  "measure"/"always") costs one perplexity evaluation (about 10 s here) per layer and
+  candidate; the first-order (gradient x quantization error) estimate is not there.
 """
 
 from __future__ import annotations
