@@ -16,10 +16,13 @@ from autopolicy.nn.conv import Conv2D, MaxPooling2D
 from autopolicy.nn.core import Activation, Dropout, Flatten, GlobalAveragePooling1D, Softmax
 from autopolicy.nn.dense import Dense, EinsumDense
 from autopolicy.nn.embedding import Embedding
-from autopolicy.nn.normalization import LayerNormalization, UnitNormalization
+from autopolicy.nn.normalization import LayerNormalization, RMSNormalization, UnitNormalization
 from autopolicy.nn.sequential import Sequential
 from autopolicy.nn.transformer import TransformerBlock, causal_mask
 from autopolicy.nn.bert import BertEmbeddings, bert_mapping
+from autopolicy.nn.llama import LlamaAttention, LlamaBlock, LlamaConfig, LlamaDecoder, LlamaMLP
+from autopolicy.nn.gguf import load_gguf
+from autopolicy.nn.generation import greedy_generate, perplexity
 from autopolicy.nn.weights import LoadReport, load_weights, weight_names
 from autopolicy.nn.calibration import calibrate
 from autopolicy.nn.serialization import load, register_serializable, save
@@ -36,6 +39,7 @@ __all__ = [
     "Conv2D",
     "MaxPooling2D",
     "LayerNormalization",
+    "RMSNormalization",
     "UnitNormalization",
     "Dropout",
     "Activation",
@@ -49,6 +53,14 @@ __all__ = [
     "causal_mask",
     "BertEmbeddings",
     "bert_mapping",
+    "LlamaConfig",
+    "LlamaAttention",
+    "LlamaMLP",
+    "LlamaBlock",
+    "LlamaDecoder",
+    "load_gguf",
+    "greedy_generate",
+    "perplexity",
     "load_weights",
     "weight_names",
     "LoadReport",

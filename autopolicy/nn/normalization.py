@@ -1,4 +1,5 @@
-"""LayerNormalization and UnitNormalization (L2), computed in float32 whatever the compute dtype."""
+"""LayerNormalization, RMSNormalization and UnitNormalization (L2), computed in float32 whatever
+the compute dtype."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from autopolicy.nn import initializers
 from autopolicy.nn.activations import accumulation_dtype
 from autopolicy.nn._module import Module
 
-__all__ = ["LayerNormalization", "UnitNormalization"]
+__all__ = ["LayerNormalization", "RMSNormalization", "UnitNormalization"]
 
 
 class LayerNormalization(Module):
@@ -62,6 +63,40 @@ class LayerNormalization(Module):
         if self.beta is not None:
             y = y + self.beta.astype(acc)
         return y.astype(x.dtype)
+
+
+class RMSNormalization(Module):
+    """Root-mean-square normalization over the last axis, as Keras's ``RMSNormalization`` and
+    llama-family models: ``x / sqrt(mean(x**2) + epsilon) * scale``.
+
+    The statistic and the scaling run in float32 or wider; the result comes back in the
+    compute dtype. ``scale`` stays in the variable dtype inside the computation.
+
+    >>> import autopolicy.nn as nn
+    >>> norm = nn.RMSNormalization(epsilon=1e-6).build(jax.random.key(0), jnp.ones((1, 2)))
+    >>> [round(float(v), 4) for v in norm(jnp.array([[3.0, 4.0]]))[0]]  # the RMS of (3, 4) is sqrt(12.5)
+    [0.8485, 1.1314]
+    """
+
+    tunable = True
+
+    def __init__(self, epsilon: float = 1e-6, scale_initializer: Any = "ones",
+                 *, name: str | None = None, dtype: Any = None, autocast: bool = True):
+        super().__init__(name=name, dtype=dtype, autocast=autocast)
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+            raise ValueError(f"epsilon must be a number > 0. Received: epsilon={epsilon!r}")
+        self.epsilon = float(epsilon)
+        self.scale_initializer = initializers.check(scale_initializer, "scale_initializer")
+        self.scale = None
+
+    def build_variables(self, x: jax.Array) -> None:
+        self.add_weight("scale", (x.shape[-1],), self.scale_initializer, autocast=False)
+
+    def call(self, x: jax.Array) -> jax.Array:
+        acc = accumulation_dtype(x.dtype)
+        xf = x.astype(acc)
+        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.epsilon)
+        return (y * self.scale.astype(acc)).astype(x.dtype)
 
 
 class UnitNormalization(Module):

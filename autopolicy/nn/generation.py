@@ -1,0 +1,126 @@
+"""Using a causal language model: greedy generation with a key/value cache (a compiled prefill
+and a compiled one-token decode step) and perplexity over fixed-length windows.
+
+The model is any module called as ``model(ids)`` -> logits and
+``model(ids, start=..., cache=...)`` -> ``(logits, cache)`` with ``model.init_cache(batch,
+max_length)``, as :class:`~autopolicy.nn.LlamaDecoder`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["greedy_generate", "prefill", "decode_step", "perplexity", "token_windows"]
+
+
+@jax.jit
+def prefill(model: Any, cache: Any, ids: jax.Array) -> tuple[jax.Array, Any]:
+    """``(logits, cache)`` after writing ``ids`` (``(batch, time)``) at positions ``0 .. time-1``."""
+    return model(ids, start=jnp.zeros((), jnp.int32), cache=cache)
+
+
+@jax.jit
+def decode_step(model: Any, cache: Any, token: jax.Array, position: jax.Array) -> tuple[jax.Array, Any]:
+    """``(next token's logits (batch, vocab), cache)`` for ``token`` (``(batch,)``) at ``position``
+    (an int32 scalar): compiled once per model structure and cache length."""
+    logits, cache = model(token[:, None], start=position, cache=cache)
+    return logits[:, 0], cache
+
+
+def _bucket(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def greedy_generate(model: Any, prompt: Sequence[int], steps: int, max_length: int = 256,
+                    stop: Sequence[int] = ()) -> list[int]:
+    """The ids of up to ``steps`` tokens that greedily continue ``prompt`` (token ids).
+
+    The prompt is padded to a power of two (at least 16) and prefilled in one compiled call
+    (padding after the prompt cannot affect it: attention is causal, and the decode steps
+    overwrite those cache rows); each new token is one compiled decode step over a cache of
+    ``max_length`` positions.
+
+    Args:
+      model: A built causal language model (see the module docstring).
+      prompt: The prompt's token ids (at least one).
+      steps: How many tokens to generate at most.
+      max_length: The cache length; ``len(prompt) + steps`` must fit in it.
+      stop: Ids that end the generation (included in the result).
+
+    Raises:
+      ValueError: for an empty prompt, a negative ``steps``, or a prompt and steps that do not
+        fit in ``max_length``.
+    """
+    prompt = [int(t) for t in prompt]
+    if not prompt:
+        raise ValueError("greedy_generate needs a prompt of at least one token.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0. Received: steps={steps!r}")
+    padded = _bucket(len(prompt))
+    if max(padded, len(prompt) + steps) > max_length:
+        raise ValueError(
+            f"The prompt ({len(prompt)} tokens, prefilled as {padded}) and steps={steps} do not fit in "
+            f"max_length={max_length}."
+        )
+    ids = np.zeros((1, padded), np.int32)
+    ids[0, : len(prompt)] = prompt
+    logits, cache = prefill(model, model.init_cache(1, max_length), jnp.asarray(ids))
+    token = int(jnp.argmax(logits[0, len(prompt) - 1]))
+    out = []
+    for i in range(steps):
+        out.append(token)
+        if token in stop or i == steps - 1:
+            break
+        position = jnp.asarray(len(prompt) + i, jnp.int32)
+        logits, cache = decode_step(model, cache, jnp.asarray([token], jnp.int32), position)
+        token = int(jnp.argmax(logits[0]))
+    return out
+
+
+def token_windows(ids: Sequence[int], length: int, count: int | None = None) -> np.ndarray:
+    """Consecutive, non-overlapping ``(windows, length)`` int32 windows of ``ids`` (the remainder
+    dropped), at most ``count`` of them.
+
+    >>> token_windows(range(7), 3)
+    array([[0, 1, 2],
+           [3, 4, 5]], dtype=int32)
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 2:
+        raise ValueError(f"length must be an int >= 2. Received: length={length!r}")
+    ids = np.asarray(list(ids), np.int32)
+    n = len(ids) // length if count is None else min(count, len(ids) // length)
+    if n < 1:
+        raise ValueError(f"{len(ids)} tokens make no window of {length}")
+    return ids[: n * length].reshape(n, length)
+
+
+@jax.jit
+def _nll_sum(model: Any, ids: jax.Array) -> jax.Array:
+    logits = model(ids)[:, :-1].astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+
+def perplexity(model: Any, windows: Any, batch: int = 4) -> float:
+    """``exp(mean negative log-likelihood)`` of every next token within each window (each
+    window's first token is context only), ``batch`` windows per compiled call.
+
+    Args:
+      model: A causal language model, ``model(ids) -> (batch, time, vocab)`` logits.
+      windows: ``(n, length)`` token ids, ``n`` a multiple of ``batch``.
+
+    Raises:
+      ValueError: when ``windows`` is not 2-D or ``n`` is not a multiple of ``batch``.
+    """
+    windows = np.asarray(windows)
+    if windows.ndim != 2 or windows.shape[1] < 2 or len(windows) % batch:
+        raise ValueError(f"windows must be (n, length >= 2) with n a multiple of batch={batch}. "
+                         f"Received shape {windows.shape}")
+    total = 0.0
+    for i in range(0, len(windows), batch):
+        total += float(_nll_sum(model, jnp.asarray(windows[i : i + batch], jnp.int32)))
+    return float(np.exp(total / (windows.shape[0] * (windows.shape[1] - 1))))

@@ -1,0 +1,291 @@
+"""Llama-family decoders: rotary embeddings, grouped-query attention with a key/value cache,
+SwiGLU feed-forward, RMSNorm, and an input embedding tied to the output head.
+
+Every projection is a :class:`~autopolicy.nn.Dense` or :class:`~autopolicy.nn.EinsumDense`, so
+each takes its own policy (int8, int4, float8, ...). The key/value cache is not part of the model:
+it is a tuple of ``(keys, values)`` per block, each ``(batch, max_length, kv_heads, head_dim)``,
+passed in and returned, so one compiled decode step serves every position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from autopolicy.nn._module import Module
+from autopolicy.nn.activations import accumulation_dtype
+from autopolicy.nn.dense import Dense, EinsumDense
+from autopolicy.nn.embedding import Embedding
+from autopolicy.nn.normalization import RMSNormalization
+
+__all__ = ["LlamaConfig", "LlamaAttention", "LlamaMLP", "LlamaBlock", "LlamaDecoder", "rotary"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The shape of a llama-family decoder.
+
+    Attributes:
+      vocab_size: Rows of the embedding table (and columns of the head).
+      dim: Model width.
+      blocks: Number of decoder blocks.
+      heads: Query heads.
+      kv_heads: Key/value heads (``heads`` must be a multiple: grouped-query attention).
+      mlp_dim: Hidden width of the SwiGLU feed-forward.
+      rope_base: The rotary embeddings' base (SmolLM2: 100000).
+      norm_epsilon: The RMSNorms' epsilon.
+      max_length: The longest context (positions) the model was trained for.
+
+    >>> LlamaConfig(vocab_size=64, dim=16, blocks=1, heads=4, kv_heads=2, mlp_dim=32).head_dim
+    4
+    """
+
+    vocab_size: int
+    dim: int
+    blocks: int
+    heads: int
+    kv_heads: int
+    mlp_dim: int
+    rope_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    max_length: int = 2048
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "dim", "blocks", "heads", "kv_heads", "mlp_dim", "max_length"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LlamaConfig.{field} must be a positive int. Received: {field}={value!r}")
+        if self.dim % self.heads or self.heads % self.kv_heads or (self.dim // self.heads) % 2:
+            raise ValueError(
+                "LlamaConfig needs dim a multiple of heads, an even head size and heads a multiple of "
+                f"kv_heads. Received: dim={self.dim}, heads={self.heads}, kv_heads={self.kv_heads}"
+            )
+        for field in ("rope_base", "norm_epsilon"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"LlamaConfig.{field} must be a number > 0. Received: {field}={value!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    @classmethod
+    def of(cls, config: Any) -> "LlamaConfig":
+        """``config`` itself, or the config made from a dict of its fields.
+
+        Raises:
+          TypeError: for anything else.
+        """
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, dict):
+            return cls(**config)
+        raise TypeError(f"config must be a LlamaConfig or a dict of its fields. Received: {config!r}")
+
+
+def rotary(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+    """Rotary position embeddings in the "rotate half" layout (Hugging Face's): feature ``i`` of
+    each head pairs with feature ``i + head_dim / 2``, rotated by ``position * base**(-2i/head_dim)``.
+
+    Args:
+      x: ``(batch, time, heads, head_dim)``.
+      positions: ``(time,)`` integer positions.
+      base: The frequency base.
+
+    Returns:
+      ``x`` rotated, computed in float32, in ``x``'s dtype.
+
+    >>> x = jnp.ones((1, 2, 1, 2))
+    >>> rotary(x, jnp.array([0, 1]), 10000.0)[0, :, 0]  # position 1 turns (1, 1) by 1 radian
+    Array([[ 1.        ,  1.        ],
+           [-0.30116868,  1.3817732 ]], dtype=float32)
+    """
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class LlamaAttention(Module):
+    """Causal grouped-query attention with rotary embeddings and an optional key/value cache.
+
+    Sublayers (each tunable): ``query``, ``key``, ``value`` (EinsumDense to heads, no bias) and
+    ``attention_output``. Call as ``attention(x, start=None, cache=None)``:
+
+    - without a cache, ``x`` (``(batch, time, dim)``) attends causally to itself from position 0;
+    - with ``cache=(keys, values)`` (``(batch, max_length, kv_heads, head_dim)``) and ``start`` (an
+      int32 scalar), the keys and values of ``x`` are written at positions
+      ``start .. start + time - 1`` and each query attends to every cached position up to its
+      own: a prefill (``start=0``, the prompt) and a decode step (``time=1``) are the same call.
+      Returns ``(output, (keys, values))``.
+
+    The products run in the compute dtype; the logits and the softmax in float32.
+
+    >>> att = LlamaAttention(heads=4, kv_heads=2, head_dim=4).build(jax.random.key(0), jnp.ones((1, 3, 16)))
+    >>> att(jnp.ones((1, 3, 16))).shape
+    (1, 3, 16)
+    """
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, rope_base: float = 10000.0,
+                 *, name: str | None = None, dtype: Any = None):
+        super().__init__(name=name, dtype=dtype)
+        for arg, value in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{arg} must be a positive int. Received: {arg}={value!r}")
+        if heads % kv_heads:
+            raise ValueError(f"heads must be a multiple of kv_heads. Received: heads={heads}, kv_heads={kv_heads}")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rope_base = float(rope_base)
+        self.query = EinsumDense("abc,cde->abde", (None, heads, head_dim), name="query")
+        self.key = EinsumDense("abc,cde->abde", (None, kv_heads, head_dim), name="key")
+        self.value = EinsumDense("abc,cde->abde", (None, kv_heads, head_dim), name="value")
+        self.attention_output = None
+
+    def build_variables(self, x, start=None, cache=None) -> None:
+        self.attention_output = EinsumDense("abcd,cde->abe", (None, x.shape[-1]), name="attention_output")
+
+    def call(self, x: jax.Array, start: Any = None, cache: Any = None) -> Any:
+        batch, time = x.shape[0], x.shape[1]
+        offset = jnp.zeros((), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+        positions = offset + jnp.arange(time, dtype=jnp.int32)
+        q = rotary(self.query(x), positions, self.rope_base)
+        k = rotary(self.key(x), positions, self.rope_base)
+        v = self.value(x)
+        if cache is None:
+            keys, values, key_positions = k, v, positions
+        else:
+            cached_k, cached_v = cache
+            if cached_k.shape[0] != batch or cached_k.shape[2:] != (self.kv_heads, self.head_dim):
+                raise ValueError(
+                    f"{self.path!r}: the cache must be (batch, max_length, kv_heads, head_dim) = "
+                    f"({batch}, max_length, {self.kv_heads}, {self.head_dim}). Received {cached_k.shape}"
+                )
+            at = (0, offset, 0, 0)
+            keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), at)
+            values = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), at)
+            key_positions = jnp.arange(keys.shape[1], dtype=jnp.int32)
+        groups = self.heads // self.kv_heads
+        q = q.reshape(batch, time, self.kv_heads, groups, self.head_dim)
+        q = q * jnp.asarray(1.0 / math.sqrt(self.head_dim), q.dtype)
+        kc, vc = keys.astype(q.dtype), values.astype(q.dtype)
+        logits = jnp.einsum("btkgd,bskd->bkgts", q, kc).astype(accumulation_dtype(q.dtype))
+        allowed = key_positions[None, :] <= positions[:, None]
+        logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, vc).reshape(batch, time, self.heads, self.head_dim)
+        out = self.attention_output(out)
+        return out if cache is None else (out, (keys, values))
+
+
+class LlamaMLP(Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``gate``, ``up`` and ``down`` are Dense layers
+    without bias, each tunable.
+
+    >>> mlp = LlamaMLP(8).build(jax.random.key(0), jnp.ones((1, 2, 4)))
+    >>> [p.split("/")[-1] for p in mlp.layers_by_path()], mlp(jnp.ones((1, 2, 4))).shape
+    (['gate', 'up', 'down'], (1, 2, 4))
+    """
+
+    def __init__(self, hidden_dim: int, *, name: str | None = None, dtype: Any = None):
+        super().__init__(name=name, dtype=dtype)
+        self.hidden_dim = hidden_dim
+        self.gate = Dense(hidden_dim, use_bias=False, name="gate")
+        self.up = Dense(hidden_dim, use_bias=False, name="up")
+        self.down = None
+
+    def build_variables(self, x) -> None:
+        self.down = Dense(x.shape[-1], use_bias=False, name="down")
+
+    def call(self, x: jax.Array) -> jax.Array:
+        return self.down(self.cast(jax.nn.silu(self.gate(x))) * self.cast(self.up(x)))
+
+
+class LlamaBlock(Module):
+    """A pre-norm decoder block: ``x + attention(attention_norm(x))``, then
+    ``x + mlp(mlp_norm(x))``. Call as the attention: ``block(x, start=None, cache=None)``."""
+
+    def __init__(self, config: Any, *, name: str | None = None, dtype: Any = None):
+        super().__init__(name=name, dtype=dtype)
+        config = LlamaConfig.of(config)
+        self.attention_norm = RMSNormalization(config.norm_epsilon, name="attention_norm")
+        self.attention = LlamaAttention(config.heads, config.kv_heads, config.head_dim, config.rope_base,
+                                        name="attention")
+        self.mlp_norm = RMSNormalization(config.norm_epsilon, name="mlp_norm")
+        self.mlp = LlamaMLP(config.mlp_dim, name="mlp")
+
+    def call(self, x: jax.Array, start: Any = None, cache: Any = None) -> Any:
+        attended = self.attention(self.attention_norm(x), start=start, cache=cache)
+        if cache is not None:
+            attended, cache = attended
+        x = x + self.cast(attended)
+        x = x + self.cast(self.mlp(self.mlp_norm(x)))
+        return x if cache is None else (x, cache)
+
+
+class LlamaDecoder(Module):
+    """A llama-family causal language model: ``embedding``, ``block_0 ..``, ``final_norm`` and
+    ``head`` (a Dense from the model width to the vocabulary, no bias).
+
+    ``config`` is a :class:`LlamaConfig` or a dict of its fields; only a model made from a dict
+    saves with :func:`~autopolicy.nn.save` (:func:`~autopolicy.nn.load_gguf` makes it so).
+
+    The head and the embedding are separate layers, each with its own policy, even where the
+    checkpoint ties them (one tensor): :func:`~autopolicy.nn.load_gguf` loads the same values
+    into both, so the float model holds the table twice.
+
+    Call as ``model(ids)`` for the logits of every position (float32, ``(batch, time, vocab)``),
+    or ``model(ids, start=start, cache=cache)`` for ``(logits, new_cache)`` with a cache from
+    :meth:`init_cache`.
+
+    >>> config = LlamaConfig(vocab_size=32, dim=16, blocks=2, heads=4, kv_heads=2, mlp_dim=24)
+    >>> model = LlamaDecoder(config).build(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    >>> model(jnp.array([[1, 2, 3]])).shape
+    (1, 3, 32)
+    >>> list(model.layers_by_path())[:4]
+    ['llama_decoder/embedding', 'llama_decoder/block_0/attention_norm', 'llama_decoder/block_0/attention/query', 'llama_decoder/block_0/attention/key']
+    """
+
+    def __init__(self, config: Any, *, name: str | None = None, dtype: Any = None):
+        super().__init__(name=name, dtype=dtype)
+        config = LlamaConfig.of(config)
+        self.config = config
+        self.embedding = Embedding(config.vocab_size, config.dim, "random_normal", name="embedding")
+        fields = dataclasses.asdict(config)  # a dict has a JSON form: the blocks save and load
+        self.blocks = [LlamaBlock(fields, name=f"block_{i}") for i in range(config.blocks)]
+        self.final_norm = RMSNormalization(config.norm_epsilon, name="final_norm")
+        self.head = Dense(config.vocab_size, use_bias=False, name="head")
+
+    def init_cache(self, batch: int, max_length: int, dtype: Any = jnp.float32) -> tuple:
+        """An empty key/value cache: per block, zero ``(batch, max_length, kv_heads, head_dim)``
+        keys and values."""
+        for arg, value in (("batch", batch), ("max_length", max_length)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{arg} must be a positive int. Received: {arg}={value!r}")
+        shape = (batch, max_length, self.config.kv_heads, self.config.head_dim)
+        return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks)
+
+    def call(self, ids: jax.Array, start: Any = None, cache: Any = None) -> Any:
+        ids = jnp.asarray(ids)
+        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{self.path!r} takes (batch, time) integer ids. Received {ids.dtype} {ids.shape}")
+        if cache is not None and len(cache) != len(self.blocks):
+            raise ValueError(f"{self.path!r}: the cache must have one entry per block ({len(self.blocks)}). "
+                             f"Received {len(cache)}")
+        x = self.cast(self.embedding(ids))
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            if cache is None:
+                x = self.cast(block(x, start=start))
+            else:
+                x, (k, v) = block(x, start=start, cache=cache[i])
+                x = self.cast(x)
+                new_cache.append((k.astype(cache[i][0].dtype), v.astype(cache[i][1].dtype)))
+        logits = self.head(self.final_norm(x)).astype(jnp.float32)
+        return logits if cache is None else (logits, tuple(new_cache))

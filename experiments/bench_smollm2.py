@@ -1,0 +1,64 @@
+"""Decode-step latency of SmolLM2-135M at cache length 256 (batch 1) under uniform policies,
+timed side by side: jitted, warmed up, interleaved repetitions, medians and quartiles.
+
+    .venv/bin/python experiments/bench_smollm2.py [--reps 30] [--policies float32 mixed_bfloat16 ...]
+
+Prints each policy's median milliseconds per decode step (tokens/s) with the interquartile
+range, and its speed-up over float32 with the quartiles of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import smollm2  # noqa: E402
+
+from autopolicy.nn import generation  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--inner", type=int, default=5, help="decode steps per timed sample")
+    parser.add_argument("--cache", type=int, default=smollm2.CACHE)
+    parser.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16", "int8_from_float32"])
+    args = parser.parse_args(argv)
+    model, _, _ = smollm2.load()
+    models = {p: model if p == "float32" else model.with_dtype_policy(p) for p in args.policies}
+    token, start, cache = smollm2.decode_input(model, args.cache)
+    token, start = jnp.asarray(token[:, 0]), jnp.asarray(start)
+
+    def step(m):
+        t0 = time.perf_counter()
+        for _ in range(args.inner):
+            out = generation.decode_step(m, cache, token, start)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / args.inner
+
+    for m in models.values():  # compile and warm up
+        step(m), step(m)
+    samples = {p: [] for p in models}
+    for _ in range(args.reps):
+        for p, m in models.items():
+            samples[p].append(step(m))
+    base = np.asarray(samples[args.policies[0]])
+    print(f"decode step, batch 1, cache {args.cache}; {args.reps} interleaved rounds of {args.inner} steps; "
+          f"{jax.devices()[0].device_kind}")
+    for p, s in samples.items():
+        s = np.asarray(s)
+        q1, med, q3 = np.percentile(s, [25, 50, 75]) * 1e3
+        r1, rm, r3 = np.percentile(base / s, [25, 50, 75])
+        print(f"{p:24s} {med:7.2f} ms [{q1:.2f}, {q3:.2f}]  {1e3 / med:6.1f} tokens/s  "
+              f"x{rm:.2f} [{r1:.2f}, {r3:.2f}] vs {args.policies[0]}")
+
+
+if __name__ == "__main__":
+    main()

