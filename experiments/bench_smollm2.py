@@ -24,15 +24,28 @@ import smollm2  # noqa: E402
 from autopolicy.nn import generation  # noqa: E402
 
 
+def with_policy(model, spec: str):
+    """The model under a uniform policy, ``POLICY@KERNEL``: the layers that offer the kernel run it."""
+    policy, _, kernel = spec.partition("@")
+    tuned = model if policy == "float32" else model.with_dtype_policy(policy)
+    if kernel:
+        layers = tuned.layers_by_path()
+        tuned = tuned.with_kernels({path: kernel for path, layer in layers.items()
+                                    if layer.quantization_mode is not None and kernel in layer.kernel_choices()})
+    return tuned
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--inner", type=int, default=5, help="decode steps per timed sample")
     parser.add_argument("--cache", type=int, default=smollm2.CACHE)
-    parser.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16", "int8_from_float32"])
+    parser.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16", "int8_from_float32"],
+                        help="uniform policies; POLICY@KERNEL runs every layer that has KERNEL with it "
+                             "(int8_from_float32@cpu_ffi: autopolicy's CPU kernels)")
     args = parser.parse_args(argv)
     model, _, _ = smollm2.load()
-    models = {p: model if p == "float32" else model.with_dtype_policy(p) for p in args.policies}
+    models = {p: with_policy(model, p) for p in args.policies}
     token, start, cache = smollm2.decode_input(model, args.cache)
     token, start = jnp.asarray(token[:, 0]), jnp.asarray(start)
 
