@@ -16,6 +16,7 @@ from autopolicy.search._defaults import REFERENCE
 from autopolicy.search._progress import progress
 from autopolicy.search.cache import key
 from autopolicy.search.confidence import Speedup
+from autopolicy.search.costs import phase
 from autopolicy.search.endtoend import EndToEnd, config_key
 from autopolicy.search.latency_model import IDENTITY, Calibration
 from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem, failed
@@ -57,7 +58,8 @@ def make_problem(latency: LatencyProfile, accuracy: AccuracyProfile | None, budg
 
 def _evaluate(ctx: Context, name: str, policy_map: policies.DTypePolicyMap, model: Any) -> float:
     cache_key = key(ctx.fingerprint, "verify", ctx.digest, policies.serialize(policy_map))
-    value = ctx.cache.get_or_measure(cache_key, lambda: ctx.scorer.metric(model, name))
+    with phase("verify"):
+        value = ctx.cache.get_or_measure(cache_key, lambda: ctx.scorer.metric(model, name))
     ctx.cache.flush()
     return float(value)
 
@@ -109,7 +111,8 @@ def fastest_first(ctx: Context, latency: LatencyProfile, models: Models,
     change the choice), or it keeps every layer in float32 (nothing faster to try).
     """
     problem = make_problem(latency, None, math.inf, ctx.budget.memory_budget, calibration=calibration)
-    solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
+    with phase("solve"):
+        solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
     if solution is None:
         return [], False
     if all(name == REFERENCE for name in solution.policies(problem.layers).values()):
@@ -129,7 +132,8 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
         round_index = len(tried) + offset + 1
         problem = make_problem(latency, accuracy, ctx.budget.allowed_drop, ctx.budget.memory_budget, inflate,
                                calibration)
-        solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
+        with phase("solve"):
+            solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
         if solution is None:
             break
         assignment = solution.policies(problem.layers)
