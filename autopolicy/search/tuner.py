@@ -197,7 +197,9 @@ def tune(
                 uniform_configs = verify.uniforms(ctx, latency, models)
                 e2e = EndToEnd(made, models, cache, fingerprint, key(ctx.digest, kernels),
                                [list(np.shape(a)) for a in args])
-                e2e.time_group(uniform_configs, repeats, "calibration")
+                # Half the repeats: enough medians for the latency model; decisions pair these
+                # rounds with the final ones (verify.choose).
+                e2e.time_group(uniform_configs, max(repeats // 2, 3), "calibration")
                 calibration = latency_model.fit(latency, [(u.assignment, e2e.summary(u).median)
                                                           for u in uniform_configs if e2e.samples(u)])
             with phase("verify"):
