@@ -1,7 +1,8 @@
 """The machine-wide cache the command line shares between run directories.
 
-``$AUTOPOLICY_CACHE`` (default ``~/.cache/autopolicy``; an empty value turns it off) holds
-JAX's persistent compilation cache (``jax/``: a layer compiled once is loaded, not compiled, by
+``$AUTOPOLICY_CACHE`` (default ``~/.cache/autopolicy``, where the experiments also keep their
+trained weights; ``autopolicy tune --no-shared-cache`` leaves it alone) holds JAX's persistent
+compilation cache (``jax/``: a layer compiled once is loaded, not compiled, by
 every later run) and the layer and cast timings (``measurements/``, keyed by the hardware
 fingerprint and the layer's signature, so they are only reused on the same machine and
 software). A run directory keeps its own copy of every measurement it used, so it resumes and
@@ -17,20 +18,16 @@ __all__ = ["ENV", "directory", "enable_compilation_cache"]
 ENV = "AUTOPOLICY_CACHE"
 
 
-def directory() -> str | None:
-    """``$AUTOPOLICY_CACHE``, ``~/.cache/autopolicy`` when unset, None when set to ``""``.
+def directory() -> str:
+    """``$AUTOPOLICY_CACHE``, or ``~/.cache/autopolicy`` when it is unset or empty (the same
+    root as the experiments' trained weights, ``autopolicy.experiment.default_cache_dir``).
 
     >>> import os
     >>> os.environ[ENV] = "/tmp/ap-cache"; directory()
     '/tmp/ap-cache'
-    >>> os.environ[ENV] = ""; directory() is None
-    True
     >>> del os.environ[ENV]
     """
-    value = os.environ.get(ENV)
-    if value is None:
-        return os.path.join(os.path.expanduser("~"), ".cache", "autopolicy")
-    return value or None
+    return os.environ.get(ENV) or os.path.join(os.path.expanduser("~"), ".cache", "autopolicy")
 
 
 def enable_compilation_cache(path: str) -> str:

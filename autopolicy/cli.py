@@ -250,13 +250,13 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
 
 def _shared_cache(args: argparse.Namespace, out: str) -> str | None:
     """Turns JAX's persistent compilation cache on (machine-wide, or in the run directory with
-    --no-shared-cache or AUTOPOLICY_CACHE=""); returns the shared measurements' directory or None."""
+    --no-shared-cache); returns the shared measurements' directory or None."""
     from autopolicy import _machine_cache  # pylint: disable=import-outside-toplevel
 
-    root = None if args.no_shared_cache else _machine_cache.directory()
-    if root is None:
+    if args.no_shared_cache:
         _machine_cache.enable_compilation_cache(os.path.join(out, "cache", "jax"))
         return None
+    root = _machine_cache.directory()
     _machine_cache.enable_compilation_cache(os.path.join(root, "jax"))
     return os.path.join(root, "measurements")
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from autopolicy import _machine_cache
+from autopolicy import _machine_cache, experiment
 from autopolicy.search.cache import MeasurementCache
 from autopolicy.search.costs import PHASES, Costs, phase
 
@@ -93,10 +93,11 @@ def test_a_damaged_shared_file_is_measured_again_and_replaced(tmp_path):
 def test_machine_cache_directory_follows_the_environment(monkeypatch):
     monkeypatch.setenv(_machine_cache.ENV, "/somewhere/else")
     assert _machine_cache.directory() == "/somewhere/else"
+    home = os.path.join(os.path.expanduser("~"), ".cache", "autopolicy")
     monkeypatch.setenv(_machine_cache.ENV, "")
-    assert _machine_cache.directory() is None
+    assert _machine_cache.directory() == home
     monkeypatch.delenv(_machine_cache.ENV)
-    assert _machine_cache.directory() == os.path.join(os.path.expanduser("~"), ".cache", "autopolicy")
+    assert _machine_cache.directory() == home == str(experiment.default_cache_dir())
 
 
 TWO_LAYERS = textwrap.dedent('''
