@@ -1,6 +1,7 @@
 """Ctrl-C at random moments of a tune: how many interrupts end in a crash instead of exit 130.
 
-Each try starts ``autopolicy tune`` on a 2-layer experiment in a fresh run directory, waits
+Each try starts ``autopolicy tune`` on a 2-layer experiment in a fresh run directory (a first
+run: ``--no-shared-cache``, so nothing comes from an earlier try), waits
 until ``cache/measurements.json`` first appears (the first measurement flush, when JAX work is
 in flight), then sends SIGINT after a random delay (0 to ``--window`` seconds, seeded) and
 records the exit status. A clean interrupt is exit 130 with the "interrupted; run the same
@@ -59,7 +60,9 @@ def interrupt_once(workdir: pathlib.Path, delay: float, timeout: float = 300.0, 
     measurements = out / "cache" / "measurements.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "autopolicy", "tune", str(experiment), "--out", str(out), "--repeats", "3",
-         "--no-report", *([] if progress else ["--no-progress"])],
+         "--no-report", *([] if progress else ["--no-progress"]),
+         # (a checkout from before the machine-wide cache has no such flag, nor needs it)
+         *(["--no-shared-cache"] if "--no-shared-cache" in (root / "autopolicy" / "cli.py").read_text() else [])],
         cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + timeout
