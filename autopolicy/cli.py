@@ -456,15 +456,24 @@ def _settle() -> None:
 def run() -> None:
     """The ``autopolicy`` program: :func:`main`, then exit with its status.
 
-    After an interrupt (status 130), the process ends with ``os._exit`` once its output is
-    flushed: everything it wrote is already on disk (the measurement cache, the run lock given
-    back, atomically), and the interpreter's own teardown, with XLA's runtime still loaded, is
-    skipped (interpreter shutdown after a Ctrl-C is where JAX programs have crashed).
+    Once :func:`main` has returned, its work is done and written: a Ctrl-C from then on is
+    ignored (it would otherwise land in the interpreter's teardown, as a traceback or a death by
+    SIGINT), and one that arrives as it returns is reported like any other interrupt. After an
+    interrupt (status 130), the process ends with ``os._exit`` once its output is flushed:
+    everything it wrote is already on disk (the measurement cache, the run lock given back,
+    atomically), and the interpreter's own teardown, with XLA's runtime still loaded, is
+    skipped.
     """
-    status = main()
+    status = EXIT_INTERRUPTED
+    try:
+        status = main()
+    except KeyboardInterrupt:  # after main's own handler: between its return and this line
+        print("autopolicy: interrupted; run the same command again to resume", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stdout.flush()
+    sys.stderr.flush()
     if status == EXIT_INTERRUPTED:
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(status)  # pylint: disable=protected-access
     sys.exit(status)
 
