@@ -1,5 +1,3 @@
-import sys
+from autopolicy.cli import run
 
-from autopolicy.cli import main
-
-sys.exit(main())
+run()

@@ -13,12 +13,13 @@ import contextlib
 import os
 import pathlib
 import re
+import signal
 import sys
 import warnings
 import zipfile
 from typing import Any, Iterator, Sequence
 
-__all__ = ["main", "build_parser", "EXIT_STATUSES"]
+__all__ = ["main", "run", "build_parser", "EXIT_STATUSES"]
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "sensitivity table)")
     tune.add_argument("--no-report", action="store_true", help="skip writing the report")
     tune.add_argument("--no-progress", action="store_true", help="no progress bars")
+    tune.add_argument("--no-shared-cache", action="store_true",
+                      help="neither reuse nor add to the machine-wide cache ($AUTOPOLICY_CACHE, default "
+                           "~/.cache/autopolicy: compiled programs and layer timings keyed by this machine's "
+                           "fingerprint); the run directory keeps its own")
 
     report = add("report", help="write report.md and report.html (with figures) for a run")
     report.add_argument("run_dir")
@@ -213,13 +218,14 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
     max_drop = exp.max_drop if args.max_drop is None else args.max_drop
     relative = exp.relative and not args.absolute
     _checks.check_budget(max_drop, relative)
+    shared = _shared_cache(args, out)
     result = search.tune(
         exp.model, exp.eval_fn, exp.sample_input,
         candidates=args.candidates or exp.candidates or search.DEFAULT_CANDIDATES, max_drop=max_drop,
         relative=relative, memory_budget=args.memory_budget,
         cache_dir=os.path.join(out, "cache"), progress=not args.no_progress,
         calibration_inputs=exp.calibration_inputs, test_fn=exp.test_fn, repeats=args.repeats,
-        profile_accuracy=args.profile_accuracy,
+        profile_accuracy=args.profile_accuracy, shared_cache_dir=shared,
     )
     result.summary["experiment"] = {"name": exp.name, "description": exp.description,
                                     "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:])}
@@ -229,11 +235,32 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
     if tuned:
         print(f"tuned Keras model: {tuned} (load it with autopolicy.keras.load)")
     if not args.no_report:
-        from autopolicy import report  # pylint: disable=import-outside-toplevel
+        import time  # pylint: disable=import-outside-toplevel
 
+        from autopolicy import report  # pylint: disable=import-outside-toplevel
+        from autopolicy.search import result as result_module  # pylint: disable=import-outside-toplevel
+
+        start = time.perf_counter()
         written = report.write_report(out)
+        # The report's own time, known once it is written, goes into summary.json afterwards.
+        result.summary.setdefault("costs", {}).setdefault("phases_s", {})["report"] = round(
+            time.perf_counter() - start, 3)
+        result_module.write_summary(out, result.summary)
         print(f"report: {written.get('markdown', os.path.join(out, 'report.md'))}")
     return EXIT_OK
+
+
+def _shared_cache(args: argparse.Namespace, out: str) -> str | None:
+    """Turns JAX's persistent compilation cache on (machine-wide, or in the run directory with
+    --no-shared-cache); returns the shared measurements' directory or None."""
+    from autopolicy import _machine_cache  # pylint: disable=import-outside-toplevel
+
+    if args.no_shared_cache:
+        _machine_cache.enable_compilation_cache(os.path.join(out, "cache", "jax"))
+        return None
+    root = _machine_cache.directory()
+    _machine_cache.enable_compilation_cache(os.path.join(root, "jax"))
+    return os.path.join(root, "measurements")
 
 
 def _print_summary(s: dict, out: str) -> None:
@@ -247,7 +274,14 @@ def _print_summary(s: dict, out: str) -> None:
         print(f"  {path}: {policy}")
     cache = s.get("cache") or {}
     if cache:
-        print(f"measurements: {cache.get('hits', 0)} reused from the cache, {cache.get('misses', 0)} new")
+        shared = (f" ({cache['shared_hits']} of them from the machine-wide cache of earlier runs)"
+                  if cache.get("shared_hits") else "")
+        print(f"measurements: {cache.get('hits', 0)} reused from the cache{shared}, {cache.get('misses', 0)} new")
+    costs = s.get("costs") or {}
+    if costs.get("phases_s"):
+        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in costs["phases_s"].items())
+        print(f"time: {s['wall_time_s']:.1f} s ({phases}); {costs['compilations']} XLA compilations "
+              f"({costs['compile_cache_hits']} loaded from the compilation cache)")
     print(f"run directory: {out}")
 
 
@@ -402,6 +436,58 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
         warnings.formatwarning = original
 
 
+@contextlib.contextmanager
+def _no_more_interrupts() -> Iterator[None]:
+    """A second Ctrl-C while an interrupted command winds down is ignored (not a traceback)."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals cannot be changed, nor received
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _settle() -> None:
+    """Waits for the JAX computations still in flight (asynchronous dispatch) so that none is
+    running, nor finishes, while the interpreter shuts down."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return
+    for array in jax.live_arrays():
+        try:
+            array.block_until_ready()
+        except Exception:  # pylint: disable=broad-except  # a deleted or failed array: nothing in flight
+            pass
+
+
+def run() -> None:
+    """The ``autopolicy`` program: :func:`main`, then exit with its status.
+
+    Once :func:`main` has returned, its work is done and written: a Ctrl-C from then on is
+    ignored (it would otherwise land in the interpreter's teardown, as a traceback or a death by
+    SIGINT), and one that arrives as it returns is reported like any other interrupt. After an
+    interrupt (status 130), the process ends with ``os._exit`` once its output is flushed:
+    everything it wrote is already on disk (the measurement cache, the run lock given back,
+    atomically), and the interpreter's own teardown, with XLA's runtime still loaded, is
+    skipped.
+    """
+    status = EXIT_INTERRUPTED
+    try:
+        status = main()
+    except KeyboardInterrupt:  # after main's own handler: between its return and this line
+        print("autopolicy: interrupted; run the same command again to resume", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if status == EXIT_INTERRUPTED:
+        os._exit(status)  # pylint: disable=protected-access
+    sys.exit(status)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (see ``EXIT_STATUSES``)."""
     parser = build_parser()
@@ -412,7 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             raise
-        print(f"autopolicy {args.command}: interrupted; run the same command again to resume", file=sys.stderr)
+        with _no_more_interrupts():
+            _settle()
+            print(f"autopolicy {args.command}: interrupted; run the same command again to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # pylint: disable=broad-except
         if args.debug:
@@ -423,4 +511,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -301,3 +301,65 @@ def test_a_float32_model_that_fails_to_run_is_a_value_error():
 
     with pytest.raises(ValueError, match="The float32 model failed to build or run: RuntimeError: cannot lower"):
         search.tune(TwoMatmuls(PARAMS), fidelity, X, candidates=["float32"], adapter=Broken, **QUICK)
+
+
+class SteppedEndToEnd(FakeEndToEnd):
+    """FakeEndToEnd with what verify.settled reads (failures, samples)."""
+
+    def failure(self, config):
+        return ""
+
+    def samples(self, config):
+        return self.samples_[config.name]
+
+
+def test_settled_once_no_interval_straddles_the_margin():
+    float32, slow, fast = (_config("uniform float32", "uniform", 10.0), _config("uniform int8", "uniform", 12.0),
+                           _config("map (round 1)", "map", 6.0))
+    e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 12.0, "map (round 1)": 6.0}, 0.02, 10)
+    assert verify.settled(Ctx, e2e, float32, [slow, fast])  # 0.83x and 1.67x: both clear of 1.02
+    close = _config("map (round 2)", "map", 9.85)  # 1.015x: within noise of the margin
+    e2e = SteppedEndToEnd({"uniform float32": 10.0, "map (round 2)": 9.85}, 0.03, 10)
+    assert not verify.settled(Ctx, e2e, float32, [close])
+    e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 12.0}, 0.02, 2)
+    assert not verify.settled(Ctx, e2e, float32, [slow])  # 2 rounds: too few for an interval
+
+
+def test_stopping_final_rounds_early_does_not_let_an_equal_configuration_win():
+    # Sequential looks (every 5 rounds, up to 40) at a configuration exactly as fast as
+    # float32: it must not replace float32 more often than the interval's own error rate.
+    wins = 0
+    for seed in range(30):
+        e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform bf16": 10.0}, 0.05, 20, seed=seed)
+        float32, same = _config("uniform float32", "uniform", 10.0), _config("uniform bf16", "uniform", 10.0)
+        for _ in range(8):
+            e2e._time(["uniform float32", "uniform bf16"], 5)
+            if verify.settled(Ctx, e2e, float32, [same]):
+                break
+        winner, _ = verify.decide(Ctx, e2e, float32, [same.with_(meets_budget=True)])
+        wins += winner.name == "uniform bf16"
+    assert wins <= 1  # the interval's 2.5% one-sided error rate, on 30 runs
+
+
+def test_final_rounds_are_taken_in_steps_until_settled_and_cached(tmp_path):
+    from autopolicy.search.cache import MeasurementCache
+    from autopolicy.search.endtoend import EndToEnd, config_key
+
+    configs = [_config("uniform float32", "uniform", 1.0), _config("uniform bf16", "uniform", 1.0)]
+    cache = MeasurementCache(None)
+    e2e = EndToEnd(None, {}, cache, "fingerprint", "digest", [[1, 4]])
+    steps = []
+
+    def fake_time(todo, rounds):
+        steps.append(rounds)
+        e2e.rounds += [{config_key(c): 1.0 for c in todo} for _ in range(rounds)]
+
+    e2e._time = fake_time
+    looks = iter([False, True])
+    group = e2e.time_until(configs, 40, 10, lambda: next(looks), "final")
+    assert steps == [10, 10] and len(e2e.rounds) == 20  # settled at the second look: 20 of 40 rounds
+    assert len(cache.lookup(group)["rounds"]) == 20
+    again = EndToEnd(None, {}, cache, "fingerprint", "digest", [[1, 4]])
+    again._time = fake_time
+    assert again.time_until(configs, 40, 10, lambda: False, "final") == group
+    assert steps == [10, 10] and len(again.rounds) == 20 and again.from_cache  # no new timing

@@ -126,6 +126,23 @@ def _budget(summary: dict[str, Any]) -> list[Block]:
     ])]
 
 
+def _tuner_cost(summary: dict[str, Any]) -> list[Block]:
+    """Where the run's wall time went, phase by phase, and its XLA compilations (none for runs
+    saved before these were recorded)."""
+    costs = summary.get("costs") if isinstance(summary.get("costs"), dict) else {}
+    phases = costs.get("phases_s") if isinstance(costs.get("phases_s"), dict) else {}
+    if not phases:
+        return []
+    total = sum(float(v) for v in phases.values()) or 1.0
+    items = [(name, f"{float(seconds):.1f} s ({100.0 * float(seconds) / total:.0f}%)") for name, seconds in phases.items()]
+    items.append(("XLA compilations", f"{costs.get('compilations', MISSING)} ({costs.get('compile_cache_hits', MISSING)} "
+                                      f"loaded from the persistent compilation cache), "
+                                      f"{_num(costs.get('compile_s'), '.1f', ' s')}"))
+    return [Heading("Where the tuning time went"),
+            Paragraph("Wall time of each phase of the run (a phase nested in another is counted once, in "
+                      "itself), and the XLA compilations it asked for."), Facts(items)]
+
+
 def _tables(run: dict[str, Any]) -> list[Block]:
     return [
         Heading("Chosen policy map"),
@@ -158,7 +175,7 @@ def _figures(figures: Mapping[str, str]) -> list[Block]:
 
 def report_blocks(run: dict[str, Any], run_dir: str | os.PathLike, figures: Mapping[str, str]) -> list[Block]:
     """The whole report: a warning when the machine was busy, headline, method, decisions,
-    noise, device, budget, tables (with the latency model) and figures.
+    noise, device, budget, where the tuning time went, tables (with the latency model) and figures.
 
     Args:
       run: A loaded run.
@@ -169,4 +186,4 @@ def report_blocks(run: dict[str, Any], run_dir: str | os.PathLike, figures: Mapp
     intro = Paragraph(f"Run directory: {os.fspath(run_dir)}. Device: {summary.get('device', MISSING)}.")
     return [Heading("autopolicy tuning report", 1), intro, *_evidence.noise_alert(summary), *_headline(run),
             *_evidence.method(summary), *_evidence.decisions(summary), *_evidence.noise(summary),
-            *_hardware(summary), *_budget(summary), *_tables(run), *_figures(figures)]
+            *_hardware(summary), *_budget(summary), *_tuner_cost(summary), *_tables(run), *_figures(figures)]

@@ -167,6 +167,7 @@ def summary(result: Any) -> dict[str, Any]:
         "latency_model": {"scale": dict(result.calibration.scale) if result.calibration else {},
                           "fitted_on": result.calibration.configurations if result.calibration else 0},
         "noise": dict(result.noise or {}),
+        "costs": dict(result.costs or {}),
     }
     if result.test is not None:
         out["test"] = dict(result.test)

@@ -10,6 +10,14 @@ creation to :meth:`MeasurementCache.close`: a second run on the same directory i
 once, naming the process that holds it, since timings taken while two runs fight over the same
 cores would spoil every later run that reuses them. Taking the lock removes the temporary files
 of a killed run.
+
+A cache may also read and feed a *shared* file (the command line's machine-wide cache, see
+``autopolicy._machine_cache``): entries recorded with ``share=True`` (layer and cast timings,
+keyed by the hardware fingerprint and the layer's signature) are merged into it at
+:meth:`MeasurementCache.close`, and a key missing from the run's own entries is looked up there
+(counted in ``shared_hits``, and copied into the run's own file so it stays complete).
+Concurrent runs merging at the same moment may lose each other's newest shared entries (they
+are measured again later), never corrupt the file (it is replaced atomically).
 """
 
 from __future__ import annotations
@@ -73,14 +81,23 @@ class MeasurementCache:
     (1.5, None, 1, 0)
     """
 
-    def __init__(self, directory: str | os.PathLike | None):
+    def __init__(self, directory: str | os.PathLike | None, shared: str | os.PathLike | None = None):
         self.path = None
         self.entries: dict[str, Any] = {}
         self.hits = 0
         self.misses = 0
+        self.shared_hits = 0
+        self.shared_path = None if shared is None else os.fspath(shared)
+        self._shared: dict[str, Any] = {}
+        self._to_share: dict[str, Any] = {}
         self._dirty = False
         self._closed = False
         self._lock: _rundir.RunLock | None = None
+        if self.shared_path is not None:
+            try:
+                self._shared = _read(self.shared_path)
+            except ValueError:  # a damaged shared file is measured again and replaced at close
+                self._shared = {}
         if directory is None:
             return
         self._lock = _rundir.RunLock(_json.check_path(directory, "cache_dir"), "cache directory").acquire()
@@ -91,28 +108,37 @@ class MeasurementCache:
             self._lock.release()
             raise
 
-    def get_or_measure(self, cache_key: str, measure: Callable[[], Any]) -> Any:
-        """The cached value for ``cache_key``, or ``measure()`` (recorded, not yet flushed)."""
-        if cache_key in self.entries:
-            self.hits += 1
-            return self.entries[cache_key]
+    def get_or_measure(self, cache_key: str, measure: Callable[[], Any], share: bool = False) -> Any:
+        """The cached value for ``cache_key``, or ``measure()`` (recorded, not yet flushed;
+        ``share``: also offered to the shared file)."""
+        if cache_key in self.entries or cache_key in self._shared:
+            return self.lookup(cache_key)
         self.misses += 1
-        value = measure()
-        self.entries[cache_key] = value
-        self._dirty = True
-        return value
+        return self._record(cache_key, measure(), share)
 
-    def put(self, cache_key: str, value: Any) -> Any:
+    def put(self, cache_key: str, value: Any, share: bool = False) -> Any:
         """Records ``value`` under ``cache_key``, replacing what was there (a re-measurement)."""
         self.misses += 1
+        return self._record(cache_key, value, share)
+
+    def _record(self, cache_key: str, value: Any, share: bool) -> Any:
         self.entries[cache_key] = value
         self._dirty = True
+        if share and self.shared_path is not None:
+            self._to_share[cache_key] = value
         return value
 
     def lookup(self, cache_key: str) -> Any:
-        """The cached value for ``cache_key`` (counted as a hit), or None (not counted)."""
+        """The cached value for ``cache_key`` (counted as a hit; from the shared file, also in
+        ``shared_hits``), or None (not counted)."""
         if cache_key in self.entries:
             self.hits += 1
+            return self.entries[cache_key]
+        if cache_key in self._shared:
+            self.hits += 1
+            self.shared_hits += 1
+            self.entries[cache_key] = self._shared[cache_key]
+            self._dirty = True
             return self.entries[cache_key]
         return None
 
@@ -129,6 +155,7 @@ class MeasurementCache:
             return
         try:
             self.flush()
+            self._merge_shared()
         finally:
             self._closed = True
             if self._lock is not None:
@@ -149,6 +176,21 @@ class MeasurementCache:
                                    "written after close().")
             _atomic.write_text(self.path, json.dumps(self.entries, allow_nan=True))
             self._dirty = False
+
+
+    def _merge_shared(self) -> None:
+        """Adds this run's shareable measurements to the shared file (re-read first: other runs
+        may have added theirs)."""
+        if self.shared_path is None or not self._to_share:
+            return
+        try:
+            current = _read(self.shared_path)
+        except ValueError:
+            current = {}
+        current.update(self._to_share)
+        os.makedirs(os.path.dirname(os.path.abspath(self.shared_path)), exist_ok=True)
+        _atomic.write_text(self.shared_path, json.dumps(current, allow_nan=True))
+        self._to_share = {}
 
 
 def _read(path: str) -> dict[str, Any]:

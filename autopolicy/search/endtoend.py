@@ -8,7 +8,7 @@ maps it timed: a rerun of the same run reuses it and makes the same decision wit
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from autopolicy import policies
 from autopolicy.search import timing
@@ -69,12 +69,37 @@ class EndToEnd:
         self.persist(group)
         return group
 
+    def time_until(self, configs: Sequence[Configuration], rounds: int, step: int, settled: Callable[[], bool],
+                   tag: str) -> str:
+        """Times ``configs`` in steps of ``step`` rounds until ``settled()`` (asked after each
+        step, on every round so far) or ``rounds`` rounds, or loads the rounds from the cache.
+
+        Returns the group's cache key (see :meth:`persist`)."""
+        keys = sorted({config_key(c) for c in configs})
+        group = key(*self.prefix, tag, keys, rounds, step)
+        cached = self.cache.lookup(group)
+        self._starts[group] = len(self.rounds)
+        if cached is not None:
+            self.rounds += [dict(r) for r in cached["rounds"]]
+            self.from_cache = True
+            self._cached_groups.add(group)
+            return group
+        done = 0
+        while done < rounds:
+            self._time(configs, min(step, rounds - done))
+            done += step
+            if settled():
+                break
+        self.persist(group)
+        return group
+
     def persist(self, group: str) -> None:
         """Caches every round taken since ``group`` began (its extra rounds included); a group
         that came from the cache is left as it was (a group timed afresh after one that was
         cached is still saved)."""
         if group not in self._cached_groups:
-            self.cache.put(group, {"rounds": self.rounds[self._starts[group]:]})
+            # Shared with later runs on this machine (keyed by its fingerprint and the model).
+            self.cache.put(group, {"rounds": self.rounds[self._starts[group]:]}, share=True)
             self.cache.flush()
 
     def _time(self, configs: Sequence[Configuration], rounds: int) -> None:

@@ -17,6 +17,7 @@ from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
 from autopolicy.search._progress import progress as bar
 from autopolicy.search.adapter import ModelAdapter, TunableLayer, supports_kernels
 from autopolicy.search.cache import MeasurementCache, key
+from autopolicy.search.costs import phase
 from autopolicy.search.noise import NOISY_CV
 from autopolicy.search.phases import LatencyProfile, LayerTiming, Site
 
@@ -143,7 +144,7 @@ def layer_latency(
                       "repeats": t.repeats, "inner": t.inner, "finite": _finite(result),
                       "nbytes": adapter.layer_bytes(site.path, policy), "remeasured": again[name],
                       "output_error": relative_error(reference, result), "kernel": kernel or ""}
-            records[name] = cache.put(keys[name], record)
+            records[name] = cache.put(keys[name], record, share=True)
             fresh.add(keys[name])
     out = {}
     for policy in site.candidates:
@@ -198,7 +199,7 @@ def cast_latency(
         timings = timing.measure(todo, repeats=repeats)
         for name in todo:
             cache_key, triple = keys[name]
-            result[triple] = cache.get_or_measure(cache_key, lambda s=timings[name].median: s)
+            result[triple] = cache.get_or_measure(cache_key, lambda s=timings[name].median: s, share=True)
     return result
 
 
@@ -221,11 +222,13 @@ def measure_latency(
 ) -> LatencyProfile:
     """Phase 1: the latency profile of every site, and of the casts the solver may insert."""
     timings, fresh = {}, set()
-    for site in bar(progress, layer_sites, "latency", len(layer_sites)):
-        timings[site.path] = layer_latency(adapter, site, cache, fingerprint, repeats, fresh)
+    with phase("layer latency"):
+        for site in bar(progress, layer_sites, "latency", len(layer_sites)):
+            timings[site.path] = layer_latency(adapter, site, cache, fingerprint, repeats, fresh)
+            cache.flush()
+    with phase("casts"):
+        casts = cast_latency(_needed_casts(layer_sites), cache, fingerprint, repeats)
         cache.flush()
-    casts = cast_latency(_needed_casts(layer_sites), cache, fingerprint, repeats)
-    cache.flush()
     return LatencyProfile(tuple(layer_sites), timings, casts)
 
 

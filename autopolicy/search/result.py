@@ -11,7 +11,7 @@ from typing import Any
 
 from autopolicy import _atomic, policies
 
-__all__ = ["TuneResult", "write_run", "PROFILE_FILE", "FRONTIER_FILE", "MAP_FILE", "SUMMARY_FILE", "load_run"]
+__all__ = ["TuneResult", "write_run", "PROFILE_FILE", "FRONTIER_FILE", "MAP_FILE", "SUMMARY_FILE", "load_run", "write_summary"]
 
 PROFILE_FILE = "profile.csv"
 FRONTIER_FILE = "frontier.csv"
@@ -53,6 +53,9 @@ class TuneResult:
         interval and the rounds it took.
       calibration: The latency model's per-policy scales, fitted on the end-to-end timings.
       noise: What the run saw of the machine's load and the timings' spread, and a verdict.
+      costs: The tuner's own cost: wall seconds per phase (``phases_s``, see
+        :data:`autopolicy.search.costs.PHASES`) and XLA compilations (``compilations``, of which
+        ``compile_cache_hits`` were loaded from the persistent compilation cache; ``compile_s``).
 
     ``profile``, ``frontier`` (DataFrames) and ``summary`` (a JSON-able dict) are derived from
     these; ``save`` writes them.
@@ -75,6 +78,7 @@ class TuneResult:
     decisions: tuple[str, ...] = ()
     calibration: Any = None  # latency_model.Calibration fitted on every end-to-end timing
     noise: dict[str, Any] | None = None
+    costs: dict[str, Any] | None = None
 
     @functools.cached_property
     def profile(self) -> Any:
@@ -112,6 +116,11 @@ def write_run(run_dir: str | os.PathLike, policy_map: policies.DTypePolicyMap, p
     _atomic.write_text(os.path.join(run_dir, PROFILE_FILE), profile.to_csv(index=False))
     _atomic.write_text(os.path.join(run_dir, FRONTIER_FILE), frontier.to_csv(index=False))
     policies.save_policy_map(policy_map, os.path.join(run_dir, MAP_FILE))
+    _atomic.write_json(os.path.join(run_dir, SUMMARY_FILE), _json_safe(summary))
+
+
+def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> None:
+    """Rewrites ``summary.json`` alone, atomically (figures known after :func:`write_run`)."""
     _atomic.write_json(os.path.join(run_dir, SUMMARY_FILE), _json_safe(summary))
 
 

@@ -4,13 +4,15 @@ fastest per-layer assignment within an accuracy budget, verify it end to end, em
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
 from typing import Any, Callable, Iterable, Sequence
 
-from autopolicy import policies
+from autopolicy import _json, policies
 from autopolicy.search import _checks, accuracy as accuracy_phase, hardware, latency_model, noise, profiling, verify
+from autopolicy.search.costs import Costs, phase
 from autopolicy.search._context import Context
 from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
 from autopolicy.search.adapter import AdapterFactory, digest_arrays, get_adapter, supports_kernels
@@ -63,6 +65,12 @@ def _check_memory(latency: Any, memory_budget: float | None) -> None:
                          "int4_from_float32, or raise the budget).")
 
 
+def _shared_file(shared_cache_dir: str | None) -> str | None:
+    if shared_cache_dir is None:
+        return None
+    return os.path.join(_json.check_path(shared_cache_dir, "shared_cache_dir"), "measurements.json")
+
+
 def _batches(calibration_inputs: Iterable[Any] | None, args: tuple) -> list[tuple]:
     if calibration_inputs is None:
         return [args]
@@ -90,6 +98,7 @@ def tune(
     profile_accuracy: str = "auto",
     adapter: AdapterFactory | None = None,
     confirm_seconds: float = 30.0,
+    shared_cache_dir: str | None = None,
 ) -> TuneResult:
     """Finds the fastest per-layer policies on this machine whose metric stays within budget.
 
@@ -129,6 +138,10 @@ def tune(
         speed, before solving (a complete sensitivity table for the report).
       confirm_seconds: Time allowed for extra paired rounds when a speed-up's interval
         straddles the margin; after it, the simpler configuration wins.
+      shared_cache_dir: A directory shared by runs on this machine (the command line's
+        ``$AUTOPOLICY_CACHE/measurements``): layer and cast timings found there (same hardware
+        fingerprint and layer signature) are reused instead of measured, and new ones are added
+        to it when the run ends. None: only ``cache_dir``.
       adapter: A factory ``adapter(model, sample_args, calibration) -> ModelAdapter`` to use
         instead of the one registered for the model's type.
 
@@ -146,70 +159,84 @@ def tune(
         number (``"0.9"``), naming it.
     """
     start = time.perf_counter()
-    candidate_policies = _checks.check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds)
-    _checks.check_budget(max_drop, relative)
-    _checks.check_decision(min_speedup, confirm_seconds)
-    args = _checks.check_sample_input(sample_input)
-    if profile_accuracy not in PROFILE_ACCURACY:
-        raise ValueError(f"profile_accuracy must be one of {list(PROFILE_ACCURACY)}. "
-                         f"Received: profile_accuracy={profile_accuracy!r}")
-    calibration = _batches(calibration_inputs, args)
-    made = get_adapter(model, args, calibration, adapter)
-    layer_sites = profiling.sites(made.layers(), candidate_policies)
-    if not layer_sites:
-        raise ValueError("The model has no tunable layers (Dense, EinsumDense, Conv2D, Embedding, ...).")
-    detected = hardware.detect()
-    fingerprint = hardware.fingerprint(detected)
-    # The cache (its directory checked and locked) before any evaluation or measurement.
-    with MeasurementCache(cache_dir) as cache:
-        reference_model, scorer = _reference(made, eval_fn, calibration)
-        baseline = _baseline_metric(eval_fn, reference_model)
-        allowed = max_drop * abs(baseline) if relative else float(max_drop)
-        ctx = Context(
-            adapter=made, scorer=scorer, cache=cache,
-            fingerprint=fingerprint,
-            digest=key(made.weights_digest(), digest_arrays(calibration), getattr(eval_fn, "__qualname__", repr(eval_fn))),
-            budget=Budget(baseline, allowed, memory_budget), candidates=tuple(candidate_policies), sample_args=args,
-            repeats=repeats, max_rounds=max_rounds, min_speedup=min_speedup, confirm_seconds=confirm_seconds,
-            progress=progress,
-            reference_model=reference_model)
-        latency = profiling.measure_latency(made, layer_sites, cache, fingerprint, repeats, progress)
-        _check_memory(latency, memory_budget)
-        kernels = profiling.kernel_choice(latency)
-        if supports_kernels(made):  # every model built from here on runs the fastest kernels
-            made.use_kernels(kernels)
-        models: verify.Models = {}
-        uniform_configs = verify.uniforms(ctx, latency, models)
-        e2e = EndToEnd(made, models, cache, fingerprint, key(ctx.digest, kernels), [list(np.shape(a)) for a in args])
-        e2e.time_group(uniform_configs, repeats, "calibration")
-        calibration = latency_model.fit(latency, [(u.assignment, e2e.summary(u).median) for u in uniform_configs
-                                                  if e2e.samples(u)])
-        tried, settled = ([], False) if profile_accuracy == "always" else verify.fastest_first(
-            ctx, latency, models, calibration)
-        accuracy = accuracy_phase.skipped_accuracy(ctx, latency) if settled else None
-        if not settled and profile_accuracy == "auto" and tried:
-            accuracy = accuracy_phase.estimate_accuracy(ctx, latency, tried[0])
-            if accuracy is not None:
-                tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
-                if not any(t.meets_budget for t in tried):
-                    accuracy = None  # the estimates misled: measure one layer at a time
-        if accuracy is None:
-            accuracy = accuracy_phase.measure_accuracy(ctx, latency, every_candidate=profile_accuracy == "always")
-            tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
-        winner, entries, report_only, decisions = verify.choose(ctx, latency, tried, uniform_configs, models, e2e)
-        # The latency model, refitted on every configuration timed, predicts each of them.
-        final = latency_model.fit(latency, [(e.assignment, e.measured_latency_s) for e in entries
-                                            if e.measured_latency_s is not None])
-        entries = [e.with_(calibrated_latency_s=final.predict(latency, e.assignment)) for e in entries]
-        winner = next(e for e in entries if e.name == winner.name)
-        evaluations = {"profile": accuracy.evaluations,
-                       "verify": ctx.scorer.evaluations - accuracy.evaluations - report_only,
-                       "report_only": report_only, "total": ctx.scorer.evaluations}
-        test = _test_metrics(test_fn, reference_model, models[winner.name])
-        return TuneResult(
-            policy_map=winner.policy_map, model=models[winner.name], latency=latency, accuracy=accuracy,
-            configurations=tuple(entries), chosen=winner, budget=ctx.budget, hardware=detected,
-            fingerprint=fingerprint, candidates=tuple(p.name for p in candidate_policies), evaluations=evaluations,
-            cache_stats={"hits": cache.hits, "misses": cache.misses}, wall_time_s=time.perf_counter() - start,
-            test=test, decisions=tuple(decisions), calibration=final,
-            noise=noise.assess(latency, e2e))
+    with Costs() as costs, phase("checks"):  # what follows, less the phases marked inside
+        candidate_policies = _checks.check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds)
+        _checks.check_budget(max_drop, relative)
+        _checks.check_decision(min_speedup, confirm_seconds)
+        args = _checks.check_sample_input(sample_input)
+        if profile_accuracy not in PROFILE_ACCURACY:
+            raise ValueError(f"profile_accuracy must be one of {list(PROFILE_ACCURACY)}. "
+                             f"Received: profile_accuracy={profile_accuracy!r}")
+        calibration = _batches(calibration_inputs, args)
+        made = get_adapter(model, args, calibration, adapter)
+        layer_sites = profiling.sites(made.layers(), candidate_policies)
+        if not layer_sites:
+            raise ValueError("The model has no tunable layers (Dense, EinsumDense, Conv2D, Embedding, ...).")
+        detected = hardware.detect()
+        fingerprint = hardware.fingerprint(detected)
+        # The cache (its directory checked and locked) before any evaluation or measurement.
+        with MeasurementCache(cache_dir, _shared_file(shared_cache_dir)) as cache:
+            reference_model, scorer = _reference(made, eval_fn, calibration)
+            baseline = _baseline_metric(eval_fn, reference_model)
+            allowed = max_drop * abs(baseline) if relative else float(max_drop)
+            ctx = Context(
+                adapter=made, scorer=scorer, cache=cache,
+                fingerprint=fingerprint,
+                digest=key(made.weights_digest(), digest_arrays(calibration), getattr(eval_fn, "__qualname__", repr(eval_fn))),
+                budget=Budget(baseline, allowed, memory_budget), candidates=tuple(candidate_policies), sample_args=args,
+                repeats=repeats, max_rounds=max_rounds, min_speedup=min_speedup, confirm_seconds=confirm_seconds,
+                progress=progress,
+                reference_model=reference_model)
+            latency = profiling.measure_latency(made, layer_sites, cache, fingerprint, repeats, progress)
+            _check_memory(latency, memory_budget)
+            kernels = profiling.kernel_choice(latency)
+            if supports_kernels(made):  # every model built from here on runs the fastest kernels
+                made.use_kernels(kernels)
+            models: verify.Models = {}
+            with phase("calibration"):
+                uniform_configs = verify.uniforms(ctx, latency, models)
+                e2e = EndToEnd(made, models, cache, fingerprint, key(ctx.digest, kernels),
+                               [list(np.shape(a)) for a in args])
+                # Half the repeats: enough medians for the latency model; decisions pair these
+                # rounds with the final ones (verify.choose).
+                e2e.time_group(uniform_configs, max(repeats // 2, 3), "calibration")
+                calibration = latency_model.fit(latency, [(u.assignment, e2e.summary(u).median)
+                                                          for u in uniform_configs if e2e.samples(u)])
+            with phase("verify"):
+                tried, settled = ([], False) if profile_accuracy == "always" else verify.fastest_first(
+                    ctx, latency, models, calibration)
+            accuracy = accuracy_phase.skipped_accuracy(ctx, latency) if settled else None
+            if not settled and profile_accuracy == "auto" and tried:
+                with phase("sensitivity"):
+                    accuracy = accuracy_phase.estimate_accuracy(ctx, latency, tried[0])
+                if accuracy is not None:
+                    with phase("verify"):
+                        tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
+                    if not any(t.meets_budget for t in tried):
+                        accuracy = None  # the estimates misled: measure one layer at a time
+            if accuracy is None:
+                with phase("sensitivity"):
+                    accuracy = accuracy_phase.measure_accuracy(ctx, latency,
+                                                               every_candidate=profile_accuracy == "always")
+                with phase("verify"):
+                    tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
+            with phase("end-to-end rounds"):
+                winner, entries, report_only, decisions = verify.choose(ctx, latency, tried, uniform_configs,
+                                                                        models, e2e)
+            # The latency model, refitted on every configuration timed, predicts each of them.
+            final = latency_model.fit(latency, [(e.assignment, e.measured_latency_s) for e in entries
+                                                if e.measured_latency_s is not None])
+            entries = [e.with_(calibrated_latency_s=final.predict(latency, e.assignment)) for e in entries]
+            winner = next(e for e in entries if e.name == winner.name)
+            evaluations = {"profile": accuracy.evaluations,
+                           "verify": ctx.scorer.evaluations - accuracy.evaluations - report_only,
+                           "report_only": report_only, "total": ctx.scorer.evaluations}
+            with phase("verify"):
+                test = _test_metrics(test_fn, reference_model, models[winner.name])
+            return TuneResult(
+                policy_map=winner.policy_map, model=models[winner.name], latency=latency, accuracy=accuracy,
+                configurations=tuple(entries), chosen=winner, budget=ctx.budget, hardware=detected,
+                fingerprint=fingerprint, candidates=tuple(p.name for p in candidate_policies), evaluations=evaluations,
+                cache_stats={"hits": cache.hits, "misses": cache.misses, "shared_hits": cache.shared_hits}, wall_time_s=time.perf_counter() - start,
+                test=test, decisions=tuple(decisions), calibration=final,
+                noise=noise.assess(latency, e2e), costs=costs.as_dict())

@@ -16,12 +16,13 @@ from autopolicy.search._defaults import REFERENCE
 from autopolicy.search._progress import progress
 from autopolicy.search.cache import key
 from autopolicy.search.confidence import Speedup
+from autopolicy.search.costs import phase
 from autopolicy.search.endtoend import EndToEnd, config_key
 from autopolicy.search.latency_model import IDENTITY, Calibration
 from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem, failed
 
-__all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "decide", "choose", "Models",
-           "over_memory"]
+__all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "decide", "settled", "choose",
+           "Models", "over_memory"]
 
 #: Models built for configurations, by configuration name (what ``eval_fn`` scored).
 Models = dict
@@ -57,7 +58,8 @@ def make_problem(latency: LatencyProfile, accuracy: AccuracyProfile | None, budg
 
 def _evaluate(ctx: Context, name: str, policy_map: policies.DTypePolicyMap, model: Any) -> float:
     cache_key = key(ctx.fingerprint, "verify", ctx.digest, policies.serialize(policy_map))
-    value = ctx.cache.get_or_measure(cache_key, lambda: ctx.scorer.metric(model, name))
+    with phase("verify"):
+        value = ctx.cache.get_or_measure(cache_key, lambda: ctx.scorer.metric(model, name))
     ctx.cache.flush()
     return float(value)
 
@@ -109,7 +111,8 @@ def fastest_first(ctx: Context, latency: LatencyProfile, models: Models,
     change the choice), or it keeps every layer in float32 (nothing faster to try).
     """
     problem = make_problem(latency, None, math.inf, ctx.budget.memory_budget, calibration=calibration)
-    solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
+    with phase("solve"):
+        solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
     if solution is None:
         return [], False
     if all(name == REFERENCE for name in solution.policies(problem.layers).values()):
@@ -129,7 +132,8 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
         round_index = len(tried) + offset + 1
         problem = make_problem(latency, accuracy, ctx.budget.allowed_drop, ctx.budget.memory_budget, inflate,
                                calibration)
-        solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
+        with phase("solve"):
+            solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
         if solution is None:
             break
         assignment = solution.policies(problem.layers)
@@ -220,16 +224,36 @@ def decide(ctx: Context, e2e: EndToEnd, float32: Configuration,
     return incumbent, log
 
 
+#: The fewest paired rounds an interval is computed from (confidence.paired_speedup's minimum).
+MIN_PAIRED_ROUNDS = 3
+
+
+def settled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[Configuration]) -> bool:
+    """Whether every configuration timed is clearly above or clearly below the margin over
+    float32 (no interval straddles it), so that more of the final rounds would change nothing
+    :func:`decide` reads first (close calls between other configurations still get their own
+    extra rounds there)."""
+    if e2e.failure(float32) or len(e2e.samples(float32)) < MIN_PAIRED_ROUNDS:
+        return False
+    timed = [c for c in others if not e2e.failure(c) and e2e.samples(c)]
+    if any(len(e2e.samples(c)) < MIN_PAIRED_ROUNDS for c in timed):
+        return False  # (float32 is timed in every round another configuration is)
+    return not any(e2e.speedup(c, float32).straddles(ctx.min_speedup) for c in timed)
+
+
 def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], uniform_configs: list[Configuration],
            models: Models, e2e: EndToEnd) -> tuple[Configuration, list[Configuration], int, list[str]]:
-    """Times every configuration together, scores the uniform policies that could matter, and
+    """Times every configuration together (paired rounds in steps of half the repeats, up to
+    twice the repeats, stopped as soon as every speed-up over float32 is clearly on one side
+    of the margin: see :func:`settled`), scores the uniform policies that could matter, and
     decides with confidence (:func:`decide`).
 
     Returns the winner, every configuration (maps, then uniform policies, with their
     end-to-end figures), the evaluations spent only to report the best uniform policy, and the
     decision log.
     """
-    group = e2e.time_group(tried + uniform_configs, 2 * ctx.repeats, "final")
+    group = e2e.time_until(tried + uniform_configs, 2 * ctx.repeats, max(ctx.repeats // 2, 1),
+                           lambda: settled(ctx, e2e, uniform_configs[0], tried + uniform_configs[1:]), "final")
     if e2e.failure(uniform_configs[0]):  # every speed-up is measured against it
         raise ValueError(f"The float32 model could not be timed end to end: {e2e.failure(uniform_configs[0])}")
     float32 = _timed(e2e, uniform_configs[0], uniform_configs[0])
@@ -265,7 +289,7 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
     else:
         winner, log = decide(ctx, e2e, timed_uniforms[0], contenders)
         e2e.persist(group)
-        ctx.cache.put(decision_key, {"winner": winner.name, "log": log})
+        ctx.cache.put(decision_key, {"winner": winner.name, "log": log}, share=True)
         ctx.cache.flush()
     # Extra rounds changed the pairs they timed: refresh every figure from all rounds.
     entries = [_timed(e2e, c, timed_uniforms[0]) for c in tried + timed_uniforms]

@@ -1,0 +1,69 @@
+"""Ctrl-C at any moment of a tune ends it with exit status 130 and the resume line, never a
+crash at interpreter exit; the interrupted run then resumes to completion."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from autopolicy import cli
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+import bench_interrupts  # noqa: E402  pylint: disable=wrong-import-position
+
+#: Seconds after the first measurement flush (cache/measurements.json appears) at which SIGINT
+#: is sent: during layer timing, casts, calibration, verification and end-to-end rounds.
+DELAYS = (0.0, 0.02, 0.1, 0.25, 0.5, 0.8, 1.2, 1.8)
+
+
+@pytest.mark.slow
+def test_interrupts_at_many_moments_end_with_130_and_the_resume_line(tmp_path):
+    outcomes = []
+    for delay in DELAYS:
+        outcome, status, tail = bench_interrupts.interrupt_once(tmp_path, delay)
+        outcomes.append(outcome)
+        # Never a crash: a clean interrupt (130, the resume line, no traceback), or a run that
+        # finished before the signal reached it (0).
+        assert outcome in ("clean", "finished"), (delay, status, tail)
+        if outcome == "clean":
+            assert status == cli.EXIT_INTERRUPTED and bench_interrupts.RESUME in tail
+    assert outcomes[0] == "clean"  # at the first flush the run is far from done
+    assert outcomes.count("clean") >= len(DELAYS) // 2
+
+
+@pytest.mark.slow
+def test_an_interrupted_tune_resumes_to_completion(tmp_path):
+    outcome, status, _ = bench_interrupts.interrupt_once(tmp_path, 0.0)
+    assert (outcome, status) == ("clean", 130)
+    (out,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
+    proc = subprocess.run([sys.executable, "-m", "autopolicy", "tune", str(tmp_path / "tiny.py"), "--out", str(out),
+                           "--repeats", "3", "--no-progress", "--no-report", "--no-shared-cache"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "reused from the cache" in proc.stdout
+    assert (out / "summary.json").exists() and (out / "policy_map.json").exists()
+
+
+def test_a_second_interrupt_while_winding_down_is_ignored(monkeypatch, capsys):
+    # The first Ctrl-C ends the command; a second one, while it waits for JAX work in flight
+    # and prints the resume line, changes nothing (no traceback, same status).
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    def settle_interrupted_again():
+        os.kill(os.getpid(), signal.SIGINT)  # ignored while winding down
+        time.sleep(0.05)
+        settle_calls.append(True)
+
+    settle_calls = []
+    monkeypatch.setitem(cli._COMMANDS, "list", interrupted)
+    monkeypatch.setattr(cli, "_settle", settle_interrupted_again)
+    assert cli.main(["list"]) == cli.EXIT_INTERRUPTED
+    assert settle_calls == [True]
+    assert capsys.readouterr().err == "autopolicy list: interrupted; run the same command again to resume\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
