@@ -139,9 +139,10 @@ def tune(
       confirm_seconds: Time allowed for extra paired rounds when a speed-up's interval
         straddles the margin; after it, the simpler configuration wins.
       shared_cache_dir: A directory shared by runs on this machine (the command line's
-        ``$AUTOPOLICY_CACHE/measurements``): layer and cast timings found there (same hardware
-        fingerprint and layer signature) are reused instead of measured, and new ones are added
-        to it when the run ends. None: only ``cache_dir``.
+        ``$AUTOPOLICY_CACHE/measurements``): layer and cast timings (keyed by the hardware
+        fingerprint and the layer's signature) and end-to-end rounds and decisions (by the
+        fingerprint and the model) found there are reused instead of measured, and new ones are
+        added to it when the run ends; accuracy is never taken from it. None: only ``cache_dir``.
       adapter: A factory ``adapter(model, sample_args, calibration) -> ModelAdapter`` to use
         instead of the one registered for the model's type.
 
