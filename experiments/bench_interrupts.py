@@ -6,7 +6,8 @@ until ``cache/measurements.json`` first appears (the first measurement flush, wh
 in flight), then sends SIGINT after a random delay (0 to ``--window`` seconds, seeded) and
 records the exit status. A clean interrupt is exit 130 with the "interrupted; run the same
 command again to resume" line; a run that finished before the signal (exit 0, no traceback) is
-counted apart; anything else (a negative status: killed by a signal such as SIGSEGV, or a traceback) is a crash.
+counted apart; anything else (a negative status: killed by a signal such as SIGSEGV, or a
+traceback) is a crash.
 
     python experiments/bench_interrupts.py --tries 50
     python experiments/bench_interrupts.py --tries 20 --root ../other-checkout  # another version

@@ -183,7 +183,8 @@ def tune(
             ctx = Context(
                 adapter=made, scorer=scorer, cache=cache,
                 fingerprint=fingerprint,
-                digest=key(made.weights_digest(), digest_arrays(calibration), getattr(eval_fn, "__qualname__", repr(eval_fn))),
+                digest=key(made.weights_digest(), digest_arrays(calibration),
+                           getattr(eval_fn, "__qualname__", repr(eval_fn))),
                 budget=Budget(baseline, allowed, memory_budget), candidates=tuple(candidate_policies), sample_args=args,
                 repeats=repeats, max_rounds=max_rounds, min_speedup=min_speedup, confirm_seconds=confirm_seconds,
                 progress=progress,
@@ -238,6 +239,7 @@ def tune(
                 policy_map=winner.policy_map, model=models[winner.name], latency=latency, accuracy=accuracy,
                 configurations=tuple(entries), chosen=winner, budget=ctx.budget, hardware=detected,
                 fingerprint=fingerprint, candidates=tuple(p.name for p in candidate_policies), evaluations=evaluations,
-                cache_stats={"hits": cache.hits, "misses": cache.misses, "shared_hits": cache.shared_hits}, wall_time_s=time.perf_counter() - start,
+                cache_stats={"hits": cache.hits, "misses": cache.misses, "shared_hits": cache.shared_hits},
+                wall_time_s=time.perf_counter() - start,
                 test=test, decisions=tuple(decisions), calibration=final,
                 noise=noise.assess(latency, e2e), costs=costs.as_dict())
