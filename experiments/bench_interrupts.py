@@ -5,8 +5,9 @@ run: ``--no-shared-cache``, so nothing comes from an earlier try), waits
 until ``cache/measurements.json`` first appears (the first measurement flush, when JAX work is
 in flight), then sends SIGINT after a random delay (0 to ``--window`` seconds, seeded) and
 records the exit status. A clean interrupt is exit 130 with the "interrupted; run the same
-command again to resume" line; a run that finished before the signal (exit 0) is counted apart;
-anything else (a negative status: killed by a signal such as SIGSEGV, or a traceback) is a crash.
+command again to resume" line; a run that finished before the signal (exit 0, no traceback) is
+counted apart; anything else (a negative status: killed by a signal such as SIGSEGV, or a
+traceback) is a crash.
 
     python experiments/bench_interrupts.py --tries 50
     python experiments/bench_interrupts.py --tries 20 --root ../other-checkout  # another version
@@ -51,7 +52,7 @@ EXPERIMENT = textwrap.dedent('''
 
 
 def interrupt_once(workdir: pathlib.Path, delay: float, timeout: float = 300.0, root: pathlib.Path = ROOT,
-                   progress: bool = False) -> tuple[str, int, str]:
+                   progress: bool = False, reuse: bool = False) -> tuple[str, int, str]:
     """Runs one tune, interrupts it ``delay`` s after the first flush; ("clean"|"finished"|"crash", rc, tail)."""
     experiment = workdir / "tiny.py"
     if not experiment.exists():
@@ -62,7 +63,8 @@ def interrupt_once(workdir: pathlib.Path, delay: float, timeout: float = 300.0, 
         [sys.executable, "-m", "autopolicy", "tune", str(experiment), "--out", str(out), "--repeats", "3",
          "--no-report", *([] if progress else ["--no-progress"]),
          # (a checkout from before the machine-wide cache has no such flag, nor needs it)
-         *(["--no-shared-cache"] if "--no-shared-cache" in (root / "autopolicy" / "cli.py").read_text() else [])],
+         *(["--no-shared-cache"] if not reuse and "--no-shared-cache" in (root / "autopolicy" / "cli.py").read_text()
+           else [])],
         cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + timeout
@@ -80,7 +82,7 @@ def interrupt_once(workdir: pathlib.Path, delay: float, timeout: float = 300.0, 
     tail = " | ".join(err.strip().splitlines()[-2:])
     if rc == 130 and RESUME in err and "Traceback" not in err:
         return "clean", rc, tail
-    if rc == 0:
+    if rc == 0 and "Traceback" not in err and "KeyboardInterrupt" not in err:
         return "finished", rc, tail
     return "crash", rc, tail
 
@@ -93,13 +95,17 @@ def main(argv=None) -> int:
     parser.add_argument("--root", type=pathlib.Path, default=ROOT,
                         help="the checkout whose autopolicy runs (to compare before and after a change)")
     parser.add_argument("--progress", action="store_true", help="tune with progress output (default: none)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="use the machine-wide cache ($AUTOPOLICY_CACHE): runs finish sooner, so more signals "
+                             "land as a run ends")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     counts = {"clean": 0, "finished": 0, "crash": 0}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.tries):
             delay = rng.uniform(0.0, args.window)
-            outcome, rc, tail = interrupt_once(pathlib.Path(tmp), delay, root=args.root, progress=args.progress)
+            outcome, rc, tail = interrupt_once(pathlib.Path(tmp), delay, root=args.root, progress=args.progress,
+                                               reuse=args.reuse)
             counts[outcome] += 1
             print(f"try {i + 1:2d}: delay {delay:.3f} s -> {outcome} (exit {rc}) {tail[:160]}", flush=True)
     print(f"crashes: {counts['crash']}/{args.tries} (clean interrupts {counts['clean']}, "

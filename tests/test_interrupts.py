@@ -42,8 +42,8 @@ def test_an_interrupted_tune_resumes_to_completion(tmp_path):
     assert (outcome, status) == ("clean", 130)
     (out,) = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
     proc = subprocess.run([sys.executable, "-m", "autopolicy", "tune", str(tmp_path / "tiny.py"), "--out", str(out),
-                           "--repeats", "3", "--no-progress", "--no-report", "--no-shared-cache"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+                           "--repeats", "3", "--no-progress", "--no-report", "--no-shared-cache"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "reused from the cache" in proc.stdout
     assert (out / "summary.json").exists() and (out / "policy_map.json").exists()

@@ -134,10 +134,11 @@ def _tuner_cost(summary: dict[str, Any]) -> list[Block]:
     if not phases:
         return []
     total = sum(float(v) for v in phases.values()) or 1.0
-    items = [(name, f"{float(seconds):.1f} s ({100.0 * float(seconds) / total:.0f}%)") for name, seconds in phases.items()]
-    items.append(("XLA compilations", f"{costs.get('compilations', MISSING)} ({costs.get('compile_cache_hits', MISSING)} "
-                                      f"loaded from the persistent compilation cache), "
-                                      f"{_num(costs.get('compile_s'), '.1f', ' s')}"))
+    items = [(name, f"{float(seconds):.1f} s ({100.0 * float(seconds) / total:.0f}%)")
+             for name, seconds in phases.items()]
+    items.append(("XLA compilations",
+                  f"{costs.get('compilations', MISSING)} ({costs.get('compile_cache_hits', MISSING)} loaded from the "
+                  f"persistent compilation cache), {_num(costs.get('compile_s'), '.1f', ' s')}"))
     return [Heading("Where the tuning time went"),
             Paragraph("Wall time of each phase of the run (a phase nested in another is counted once, in "
                       "itself), and the XLA compilations it asked for."), Facts(items)]

@@ -11,7 +11,8 @@ from typing import Any
 
 from autopolicy import _atomic, policies
 
-__all__ = ["TuneResult", "write_run", "PROFILE_FILE", "FRONTIER_FILE", "MAP_FILE", "SUMMARY_FILE", "load_run", "write_summary"]
+__all__ = ["TuneResult", "write_run", "PROFILE_FILE", "FRONTIER_FILE", "MAP_FILE", "SUMMARY_FILE", "load_run",
+           "write_summary"]
 
 PROFILE_FILE = "profile.csv"
 FRONTIER_FILE = "frontier.csv"

@@ -139,9 +139,10 @@ def tune(
       confirm_seconds: Time allowed for extra paired rounds when a speed-up's interval
         straddles the margin; after it, the simpler configuration wins.
       shared_cache_dir: A directory shared by runs on this machine (the command line's
-        ``$AUTOPOLICY_CACHE/measurements``): layer and cast timings found there (same hardware
-        fingerprint and layer signature) are reused instead of measured, and new ones are added
-        to it when the run ends. None: only ``cache_dir``.
+        ``$AUTOPOLICY_CACHE/measurements``): layer and cast timings (keyed by the hardware
+        fingerprint and the layer's signature) and end-to-end rounds and decisions (by the
+        fingerprint and the model) found there are reused instead of measured, and new ones are
+        added to it when the run ends; accuracy is never taken from it. None: only ``cache_dir``.
       adapter: A factory ``adapter(model, sample_args, calibration) -> ModelAdapter`` to use
         instead of the one registered for the model's type.
 
@@ -182,7 +183,8 @@ def tune(
             ctx = Context(
                 adapter=made, scorer=scorer, cache=cache,
                 fingerprint=fingerprint,
-                digest=key(made.weights_digest(), digest_arrays(calibration), getattr(eval_fn, "__qualname__", repr(eval_fn))),
+                digest=key(made.weights_digest(), digest_arrays(calibration),
+                           getattr(eval_fn, "__qualname__", repr(eval_fn))),
                 budget=Budget(baseline, allowed, memory_budget), candidates=tuple(candidate_policies), sample_args=args,
                 repeats=repeats, max_rounds=max_rounds, min_speedup=min_speedup, confirm_seconds=confirm_seconds,
                 progress=progress,
@@ -237,6 +239,7 @@ def tune(
                 policy_map=winner.policy_map, model=models[winner.name], latency=latency, accuracy=accuracy,
                 configurations=tuple(entries), chosen=winner, budget=ctx.budget, hardware=detected,
                 fingerprint=fingerprint, candidates=tuple(p.name for p in candidate_policies), evaluations=evaluations,
-                cache_stats={"hits": cache.hits, "misses": cache.misses, "shared_hits": cache.shared_hits}, wall_time_s=time.perf_counter() - start,
+                cache_stats={"hits": cache.hits, "misses": cache.misses, "shared_hits": cache.shared_hits},
+                wall_time_s=time.perf_counter() - start,
                 test=test, decisions=tuple(decisions), calibration=final,
                 noise=noise.assess(latency, e2e), costs=costs.as_dict())
