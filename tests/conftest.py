@@ -10,6 +10,9 @@ Set up before JAX is imported, for a fast run under pytest-xdist (``-n auto``):
 - JAX's persistent compilation cache is on for the run, in the git-ignored ``.cache/jax-tests``
   (override with ``AUTOPOLICY_TEST_JAX_CACHE``; an empty value turns it off), with no minimum
   compile time, so a second run reuses the first one's compilations.
+- autopolicy's machine-wide cache (``AUTOPOLICY_CACHE``: trained example weights, shared
+  measurements) is the git-ignored ``.cache/autopolicy-tests``, so tests never read or write the
+  user's ``~/.cache/autopolicy``.
 """
 
 import os
@@ -39,8 +42,14 @@ def _persistent_compilation_cache() -> None:
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
+def _machine_cache() -> None:
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    os.environ.setdefault("AUTOPOLICY_CACHE", str(repo / ".cache" / "autopolicy-tests"))
+
+
 _cap_xla_threads()
 _persistent_compilation_cache()
+_machine_cache()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
