@@ -113,8 +113,8 @@ class QuantizableKernel(Module):
         >>> import jax, jax.numpy as jnp
         >>> import autopolicy.nn as nn
         >>> layer = nn.Dense(8).build(jax.random.key(0), jnp.ones((2, 4))).quantize("int8")
-        >>> sorted(layer.kernel_choices())
-        ['s8s8', 'u8s8']
+        >>> {"s8s8", "u8s8"} <= set(layer.kernel_choices())  # and "cpu_ffi" where it is built
+        True
         """
         mode = self._weights_mode
         if mode is None:

@@ -175,7 +175,7 @@ class Retyping:
         >>> model.with_kernels({"m/a": "vnni"})
         Traceback (most recent call last):
         ...
-        ValueError: Invalid kernel for 'm/a' (int8, einsum). Expected one of ['s8s8', 'u8s8'] or None. Received: 'vnni'
+        ValueError: Invalid kernel for 'm/a' (int8, einsum). Expected one of [...'s8s8', 'u8s8'] or None. Received: 'vnni'
         """
         modules = self.modules()
         if isinstance(kernels, str) and not self.children():
