@@ -119,7 +119,7 @@ class QuantizableKernel(Module):
         mode = self._weights_mode
         if mode is None:
             return ()
-        names = tuple(s.name for s in kernels.kernel_specs(mode) if self.kernel_op in s.op_names)
+        names = tuple(s.name for s in kernels.kernel_specs(mode) if self.kernel_op in s.op_names and s.runnable)
         default = kernels.default_kernel(mode, self.kernel_op)
         return tuple(sorted(names, key=lambda n: n != default))
 

@@ -34,7 +34,7 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-from autopolicy.numerics import float8, float_dot, int4, int8
+from autopolicy.numerics import cpu_kernels, float8, float_dot, int4, int8
 from autopolicy.numerics.device import Device, current_device
 
 __all__ = [
@@ -64,6 +64,7 @@ class KernelSpec:
       available: ``available(device) -> bool``: whether it is worth timing on ``device``.
       exact: Whether its outputs equal the mode's other exact kernels bit for bit.
       summary: One line on what it does (and, when not exact, how close it is).
+      needs_library: Whether it needs autopolicy's compiled CPU kernels.
     """
 
     mode: str
@@ -72,6 +73,14 @@ class KernelSpec:
     available: Callable[[Device], bool]
     exact: bool
     summary: str
+    #: Whether it runs autopolicy's own CPU library (:mod:`autopolicy.numerics.cpu_kernels`),
+    #: which an install without a compiler lacks.
+    needs_library: bool = False
+
+    @property
+    def runnable(self) -> bool:
+        """Whether this process can run it at all (its library, if it needs one, is loaded)."""
+        return not self.needs_library or cpu_kernels.AVAILABLE
 
     @property
     def op_names(self) -> tuple[str, ...]:
@@ -126,6 +135,7 @@ INT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
         exact=True,
         summary="autopolicy's own CPU kernel through the XLA FFI (AVX2 or portable, chosen at run time): "
                 "the weights streamed once, sign-extended pairs through vpmaddwd, on XLA's thread pool",
+        needs_library=True,
     ),
 )
 
@@ -146,6 +156,7 @@ INT4_KERNEL_SPECS: tuple[KernelSpec, ...] = (
         exact=False,
         summary="autopolicy's own CPU kernel through the XLA FFI: nibbles unpacked in registers, the "
                 "block scales applied inside; within float32 rounding of the sum over blocks of 'xla'",
+        needs_library=True,
     ),
 )
 
