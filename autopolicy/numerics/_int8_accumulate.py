@@ -171,24 +171,16 @@ def _s8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):
 
 def _u8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):
     """The s8 x s8 accumulators through the u8 x s8 dot: ``(x + 128) @ k - 128 * sum(k)``."""
-    lhs, rhs, out = _einsum_spec(equation)
-    free_x, summed, free_k = _matmul_plan(equation)
-    x_t = jnp.transpose(x_q, [lhs.index(c) for c in free_x + summed])
-    k_t = jnp.transpose(kernel_q, [rhs.index(c) for c in summed + free_k])
-    rows_shape, cols_shape = x_t.shape[: len(free_x)], k_t.shape[len(summed):]
-    k = int(np.prod(x_t.shape[len(free_x):]))
-    n = int(np.prod(cols_shape))
+    x2, k2, back = _as_matmul(equation, x_q, kernel_q)
     # q ^ 0x80 read as unsigned is q + 128: [-127, 127] -> [1, 255], no arithmetic needed.
-    x_u8 = jax.lax.bitcast_convert_type(x_t.reshape((-1, k)) ^ jnp.int8(-128), jnp.uint8)
+    x_u8 = jax.lax.bitcast_convert_type(x2 ^ jnp.int8(-128), jnp.uint8)
     rows = x_u8.shape[0]
     if rows == 1:  # YNNPACK's kernel needs two rows; a copy costs less than the slow path.
         x_u8 = jnp.concatenate([x_u8, x_u8])
     if kernel_colsum is None:
         kernel_colsum = column_sums(kernel_q, contracted_axes(equation)[1])
-    # The stored column sums keep the kernel's free axes in its own order, as ``k_t`` does.
-    acc = _u8s8_dot.u8s8_matmul(x_u8, k_t.reshape((k, n)))[:rows] - kernel_colsum.reshape((n,))
-    acc = acc.reshape(rows_shape + cols_shape)
-    return jnp.transpose(acc, [(free_x + free_k).index(c) for c in out])
+    # The stored column sums keep the kernel's free axes in its own order, as ``k2`` does.
+    return back(_u8s8_dot.u8s8_matmul(x_u8, k2)[:rows] - kernel_colsum.reshape((k2.shape[1],)))
 
 
 def _as_matmul(equation, x_q, kernel_q):
