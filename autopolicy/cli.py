@@ -19,6 +19,8 @@ import warnings
 import zipfile
 from typing import Any, Iterator, Sequence
 
+from autopolicy import _interrupts
+
 __all__ = ["main", "run", "build_parser", "EXIT_STATUSES"]
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -493,8 +495,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with _warnings_as_lines(args.command):
-            return _COMMANDS[args.command](args)
+        with _warnings_as_lines(args.command), _interrupts.catching():
+            status = _COMMANDS[args.command](args)
+            if _interrupts.pending():  # swallowed in a finalizer, with no checkpoint after it
+                raise KeyboardInterrupt
+            return status
     except KeyboardInterrupt:
         if args.debug:
             raise

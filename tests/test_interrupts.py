@@ -67,3 +67,38 @@ def test_a_second_interrupt_while_winding_down_is_ignored(monkeypatch, capsys):
     assert settle_calls == [True]
     assert capsys.readouterr().err == "autopolicy list: interrupted; run the same command again to resume\n"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+class _RaisesInFinalizer:
+    """An object whose finalizer is interrupted: where a Ctrl-C lands inside a ``__del__``,
+    Python can only print it ("Exception ignored in ...") and carry on."""
+
+    def __del__(self):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_lost_in_a_finalizer_still_ends_the_command(monkeypatch, capsys):
+    def command(args):
+        _RaisesInFinalizer()  # dropped at once: the interrupt goes to the unraisable hook
+        return cli.EXIT_OK
+
+    monkeypatch.setitem(cli._COMMANDS, "list", command)
+    hook = sys.unraisablehook
+    assert cli.main(["list"]) == cli.EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert err == "autopolicy list: interrupted; run the same command again to resume\n"
+    assert sys.unraisablehook is hook  # restored
+
+
+def test_an_interrupt_lost_in_a_finalizer_stops_the_tuner_at_its_next_measurement(tmp_path):
+    from autopolicy import _interrupts
+    from autopolicy.search.cache import MeasurementCache
+
+    with MeasurementCache(str(tmp_path)) as cache, _interrupts.catching():
+        cache.put("before", 1.0)
+        _RaisesInFinalizer()
+        with pytest.raises(KeyboardInterrupt):
+            cache.put("after", 2.0)
+        assert "after" not in cache.entries and cache.entries["before"] == 1.0
+        cache.put("resumed", 3.0)  # raised once, not again
+    assert not _interrupts.pending()

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from autopolicy import _atomic, _json, _rundir
+from autopolicy import _atomic, _interrupts, _json, _rundir
 
 __all__ = ["MeasurementCache", "key", "weights_digest"]
 
@@ -122,6 +122,7 @@ class MeasurementCache:
         return self._record(cache_key, value, share)
 
     def _record(self, cache_key: str, value: Any, share: bool) -> Any:
+        _interrupts.checkpoint()  # a Ctrl-C lost in a finalizer during the measurement stops here
         self.entries[cache_key] = value
         self._dirty = True
         if share and self.shared_path is not None:
