@@ -59,6 +59,14 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _executor_spec(text: str) -> str:
+    if not re.fullmatch(r"processes:[1-9]\d*|ray(:[1-9]\d*)?", text.strip()):
+        from autopolicy.distributed import EXECUTOR_CHOICES  # pylint: disable=import-outside-toplevel
+
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {EXECUTOR_CHOICES}")
+    return text.strip()
+
+
 def _size(text: str) -> int:
     """``10MB``, ``512KiB`` or ``1000000`` -> bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
@@ -139,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "layer output errors and verify end to end (measure only if that fails); measure: "
                            "measure each layer's cost; always: measure every cost up front (a complete "
                            "sensitivity table)")
+    tune.add_argument("--executor", type=_executor_spec, default=None, metavar="processes:N|ray[:N]",
+                      help="run the one-layer accuracy evaluations on N spawned processes of this host, or on Ray "
+                           "actors (pip install -e '.[distributed]'); latency is always measured here")
+    tune.add_argument("--ray-address", default=None,
+                      help="the Ray cluster for --executor ray (default: $RAY_ADDRESS, else a local one)")
     tune.add_argument("--no-report", action="store_true", help="skip writing the report")
     tune.add_argument("--no-progress", action="store_true", help="no progress bars")
     tune.add_argument("--no-shared-cache", action="store_true",
@@ -221,14 +234,21 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
     relative = exp.relative and not args.absolute
     _checks.check_budget(max_drop, relative)
     shared = _shared_cache(args, out)
-    result = search.tune(
-        exp.model, exp.eval_fn, exp.sample_input,
-        candidates=args.candidates or exp.candidates or search.DEFAULT_CANDIDATES, max_drop=max_drop,
-        relative=relative, memory_budget=args.memory_budget,
-        cache_dir=os.path.join(out, "cache"), progress=not args.no_progress,
-        calibration_inputs=exp.calibration_inputs, test_fn=exp.test_fn, repeats=args.repeats,
-        profile_accuracy=args.profile_accuracy, shared_cache_dir=shared,
-    )
+    with contextlib.ExitStack() as stack:
+        executor = None
+        if args.executor:
+            from autopolicy import distributed  # pylint: disable=import-outside-toplevel
+
+            executor = stack.enter_context(distributed.running(
+                distributed.make_executor(args.executor, args.ray_address)))
+        result = search.tune(
+            exp.model, exp.eval_fn, exp.sample_input,
+            candidates=args.candidates or exp.candidates or search.DEFAULT_CANDIDATES, max_drop=max_drop,
+            relative=relative, memory_budget=args.memory_budget,
+            cache_dir=os.path.join(out, "cache"), progress=not args.no_progress,
+            calibration_inputs=exp.calibration_inputs, test_fn=exp.test_fn, repeats=args.repeats,
+            profile_accuracy=args.profile_accuracy, shared_cache_dir=shared, executor=executor,
+        )
     result.summary["experiment"] = {"name": exp.name, "description": exp.description,
                                     "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:])}
     result.save(out)

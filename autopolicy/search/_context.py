@@ -32,3 +32,5 @@ class Context:
     confirm_seconds: float  # time allowed for extra end-to-end rounds that settle close calls
     progress: bool
     reference_model: Any  # the float32 model, as the adapter builds it
+    executor: Any = None  # a concurrent.futures.Executor for one-layer evaluations, or None
+    workload: Any = None  # with an executor: what its workers need (search.executor.Workload)

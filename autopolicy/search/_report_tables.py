@@ -48,7 +48,8 @@ def profile_frame(latency: LatencyProfile, accuracy: AccuracyProfile, chosen: Co
                 "accuracy_cost": acc.cost if acc else math.nan,
                 "sqnr_db": acc.sqnr_db if acc else math.nan,
                 "kl": acc.kl if acc else math.nan,
-                "status": acc.status if acc else "not measured",
+                "status": (acc.status + (" (proxy)" if acc.proxy else "")) if acc else "not measured",
+                "proxy": acc.proxy if acc else "",
                 "chosen": chosen.assignment.get(site.path, REFERENCE) == policy.name,
             })
     return pd.DataFrame(rows)

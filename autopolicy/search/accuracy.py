@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 
 from autopolicy import policies
+from autopolicy.search import executor
 from autopolicy.search._context import Context
 from autopolicy.search._defaults import REFERENCE
 from autopolicy.search._progress import progress as bar
@@ -40,22 +42,74 @@ def skipped_accuracy(ctx: Context, latency: LatencyProfile) -> AccuracyProfile:
     return AccuracyProfile(entries, method="skipped", evaluations=0)
 
 
-def _score(ctx: Context, site: Site, policy: policies.DTypePolicy) -> LayerAccuracy:
-    cache_key = key(ctx.fingerprint, "accuracy", ctx.digest, site.path, policy.name)
+def _cache_key(ctx: Context, site_path: str, policy_name: str) -> str:
+    return key(ctx.fingerprint, "accuracy", ctx.digest, site_path, policy_name)
 
-    def measure():
-        model = ctx.adapter.with_policies(ctx.adapter.complete_map({site.path: policy}))
-        return ctx.scorer.score(model, f"{site.path} as {policy.name}")
 
-    try:  # a model that fails to build, run or be scored disqualifies the candidate (not cached)
-        scored = ctx.cache.get_or_measure(cache_key, measure)
-    except Exception as e:  # pylint: disable=broad-except
-        return LayerAccuracy(f"{Status.FAILED} ({type(e).__name__}: {str(e)[:200]})")
-    ctx.cache.flush()
+def _entry(ctx: Context, scored: dict) -> LayerAccuracy:
     fields = {k: scored[k] for k in ("metric", "sqnr_db", "kl")}
+    proxy = scored.get("proxy", "")
     if not scored["finite"]:
-        return LayerAccuracy(Status.NONFINITE_MODEL, **fields)
-    return LayerAccuracy(Status.MEASURED, cost=max(0.0, ctx.budget.baseline_metric - scored["metric"]), **fields)
+        return LayerAccuracy(Status.NONFINITE_MODEL, proxy=proxy, **fields)
+    return LayerAccuracy(Status.MEASURED, cost=max(0.0, ctx.budget.baseline_metric - scored["metric"]), proxy=proxy,
+                         **fields)
+
+
+def _failed(error: str) -> LayerAccuracy:
+    return LayerAccuracy(f"{Status.FAILED} ({error})")
+
+
+def _score(ctx: Context, site: Site, policy: policies.DTypePolicy) -> LayerAccuracy:
+    try:  # a model that fails to build, run or be scored disqualifies the candidate (not cached)
+        scored = ctx.cache.get_or_measure(_cache_key(ctx, site.path, policy.name),
+                                          lambda: executor.score(ctx.adapter, ctx.scorer, site.path, policy.name))
+    except Exception as e:  # pylint: disable=broad-except
+        return _failed(f"{type(e).__name__}: {str(e)[:200]}")
+    ctx.cache.flush()
+    return _entry(ctx, scored)
+
+
+def _score_on_executor(ctx: Context, todo: list[tuple[Site, policies.DTypePolicy]],
+                       entries: dict[str, dict[str, LayerAccuracy]]) -> int:
+    """Scores ``todo`` on ``ctx.executor`` (those cached already are read from the cache);
+    returns the evaluations the workers made."""
+    missing = []
+    for site, policy in todo:
+        cached = ctx.cache.lookup(_cache_key(ctx, site.path, policy.name))
+        if cached is not None:
+            entries[site.path][policy.name] = _entry(ctx, cached)
+        else:
+            missing.append((site.path, policy.name))
+    if not missing:
+        return 0
+    sites = {site.path: site for site, _ in todo}
+    target = executor.numerics_fingerprint()
+    directory = os.path.dirname(ctx.cache.path) if ctx.cache.path else None
+    ref, remove = executor.share(ctx.workload, directory)
+    evaluations = 0
+
+    def local(path: str, name: str) -> None:  # a task the workers could not run: scored here
+        entries[path][name] = _score(ctx, sites[path], policies.get(name))
+
+    try:
+        results = executor.scores(ctx.executor, ref, missing, local)
+        for (path, name), figures, where in bar(ctx.progress, results, "sensitivity (workers)", len(missing)):
+            if where == "target":
+                continue
+            evaluations += figures["evaluations"]
+            if "error" in figures:  # the candidate failed on the worker: disqualified, not cached
+                entries[path][name] = _failed(figures["error"])
+                continue
+            proxy = executor.describe_numerics(figures["numerics"], target)
+            scored = {k: figures[k] for k in ("metric", "sqnr_db", "kl", "finite")}
+            if proxy:
+                scored["proxy"] = proxy
+            ctx.cache.put(_cache_key(ctx, path, name), scored)
+            ctx.cache.flush()
+            entries[path][name] = _entry(ctx, scored)
+    finally:
+        remove()
+    return evaluations
 
 
 def measure_accuracy(ctx: Context, latency: LatencyProfile, every_candidate: bool = False) -> AccuracyProfile:
@@ -63,19 +117,30 @@ def measure_accuracy(ctx: Context, latency: LatencyProfile, every_candidate: boo
 
     A candidate whose layer output is not finite is disqualified; one slower than float32 by
     more than any cast it could save is skipped (the solver would never choose it), unless
-    ``every_candidate`` asks for a complete sensitivity table.
+    ``every_candidate`` asks for a complete sensitivity table. With ``ctx.executor``, the
+    evaluations run there (:mod:`autopolicy.search.executor`), their results identical.
     """
     before = ctx.scorer.evaluations
     entries = {site.path: {REFERENCE: _reference(ctx.budget.baseline_metric)} for site in latency.sites}
-    todo = [(i, s, p) for i, s in enumerate(latency.sites) for p in s.candidates[1:]]
-    for i, site, policy in bar(ctx.progress, todo, "sensitivity", len(todo)):
-        if not latency.timing(site.path, policy.name).finite:
-            entries[site.path][policy.name] = LayerAccuracy(Status.NONFINITE_LAYER)
-        elif not every_candidate and dominated(latency, i, policy):
-            entries[site.path][policy.name] = LayerAccuracy(Status.SLOWER)
-        else:
+    todo = []
+    for i, site in enumerate(latency.sites):
+        for policy in site.candidates[1:]:
+            if not latency.timing(site.path, policy.name).finite:
+                entries[site.path][policy.name] = LayerAccuracy(Status.NONFINITE_LAYER)
+            elif not every_candidate and dominated(latency, i, policy):
+                entries[site.path][policy.name] = LayerAccuracy(Status.SLOWER)
+            else:
+                todo.append((site, policy))
+    remote = 0
+    if ctx.executor is not None:
+        remote = _score_on_executor(ctx, todo, entries)
+    else:
+        for site, policy in bar(ctx.progress, todo, "sensitivity", len(todo)):
             entries[site.path][policy.name] = _score(ctx, site, policy)
-    return AccuracyProfile(entries, method="measured", evaluations=ctx.scorer.evaluations - before)
+    # Every table in the order of the sites' candidates, however the results arrived.
+    entries = {site.path: {p.name: entries[site.path][p.name] for p in site.candidates} for site in latency.sites}
+    return AccuracyProfile(entries, method="measured", evaluations=ctx.scorer.evaluations - before + remote,
+                           remote=remote)
 
 
 def estimate_accuracy(ctx: Context, latency: LatencyProfile, observed: Configuration) -> AccuracyProfile | None:

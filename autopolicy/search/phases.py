@@ -127,6 +127,7 @@ class LayerAccuracy:
     cost: float = math.nan  # the metric's drop from float32, >= 0
     sqnr_db: float = math.nan
     kl: float = math.nan
+    proxy: str = ""  # scored by a worker whose numerics differ from the target's: how they differ
 
     @property
     def usable(self) -> bool:
@@ -141,6 +142,7 @@ class AccuracyProfile:
     method: str  # "measured" (one layer at a time, end to end), "estimated" or "skipped"
     evaluations: int
     scale: float | None = None  # estimated: metric drop per unit of relative output error
+    remote: int = 0  # of ``evaluations``, those made by an executor's workers
 
     @property
     def measured(self) -> bool:

@@ -3,6 +3,8 @@ fastest per-layer assignment within an accuracy budget, verify it end to end, em
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import math
 import os
 import time
@@ -11,7 +13,7 @@ import numpy as np
 from typing import Any, Callable, Iterable, Sequence
 
 from autopolicy import _json, policies
-from autopolicy.search import _checks, accuracy as accuracy_phase, hardware, latency_model, noise, profiling, verify
+from autopolicy.search import _checks, accuracy as accuracy_phase, executor as executor_mod, hardware, latency_model, noise, profiling, verify
 from autopolicy.search.costs import Costs, phase
 from autopolicy.search._context import Context
 from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
@@ -99,6 +101,7 @@ def tune(
     adapter: AdapterFactory | None = None,
     confirm_seconds: float = 30.0,
     shared_cache_dir: str | None = None,
+    executor: concurrent.futures.Executor | None = None,
 ) -> TuneResult:
     """Finds the fastest per-layer policies on this machine whose metric stays within budget.
 
@@ -145,6 +148,11 @@ def tune(
         added to it when the run ends; accuracy is never taken from it. None: only ``cache_dir``.
       adapter: A factory ``adapter(model, sample_args, calibration) -> ModelAdapter`` to use
         instead of the one registered for the model's type.
+      executor: Any ``concurrent.futures.Executor`` (a ``ProcessPoolExecutor``, Dask's
+        ``Client.get_executor()``, :class:`autopolicy.distributed.RayExecutor`) to run the
+        one-layer accuracy evaluations on; latency is always measured here, and the chosen map
+        is verified here. The model, ``eval_fn`` and calibration data travel to the workers
+        with cloudpickle (:mod:`autopolicy.search.executor`). None: every evaluation here.
 
     Returns:
       A :class:`TuneResult`. The map is never slower end to end than the best uniform policy
@@ -164,6 +172,9 @@ def tune(
         candidate_policies = _checks.check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds)
         _checks.check_budget(max_drop, relative)
         _checks.check_decision(min_speedup, confirm_seconds)
+        if executor is not None and not callable(getattr(executor, "submit", None)):
+            raise TypeError(f"executor must be a concurrent.futures.Executor (an object with submit(fn, *args) "
+                            f"returning a future), or None. Received: executor={executor!r}")
         args = _checks.check_sample_input(sample_input)
         if profile_accuracy not in PROFILE_ACCURACY:
             raise ValueError(f"profile_accuracy must be one of {list(PROFILE_ACCURACY)}. "
@@ -188,12 +199,16 @@ def tune(
                 budget=Budget(baseline, allowed, memory_budget), candidates=tuple(candidate_policies), sample_args=args,
                 repeats=repeats, max_rounds=max_rounds, min_speedup=min_speedup, confirm_seconds=confirm_seconds,
                 progress=progress,
-                reference_model=reference_model)
+                reference_model=reference_model, executor=executor)
             latency = profiling.measure_latency(made, layer_sites, cache, fingerprint, repeats, progress)
             _check_memory(latency, memory_budget)
             kernels = profiling.kernel_choice(latency)
             if supports_kernels(made):  # every model built from here on runs the fastest kernels
                 made.use_kernels(kernels)
+            if executor is not None:  # what the workers need to score as the target would
+                ctx = dataclasses.replace(ctx, workload=executor_mod.Workload(
+                    model, eval_fn, args, ctx.scorer.calibration, adapter,
+                    kernels if supports_kernels(made) else None))
             models: verify.Models = {}
             with phase("calibration"):
                 uniform_configs = verify.uniforms(ctx, latency, models)
@@ -230,9 +245,9 @@ def tune(
                                                 if e.measured_latency_s is not None])
             entries = [e.with_(calibrated_latency_s=final.predict(latency, e.assignment)) for e in entries]
             winner = next(e for e in entries if e.name == winner.name)
-            evaluations = {"profile": accuracy.evaluations,
-                           "verify": ctx.scorer.evaluations - accuracy.evaluations - report_only,
-                           "report_only": report_only, "total": ctx.scorer.evaluations}
+            total = ctx.scorer.evaluations + accuracy.remote
+            evaluations = {"profile": accuracy.evaluations, "verify": total - accuracy.evaluations - report_only,
+                           "report_only": report_only, "total": total, "on_workers": accuracy.remote}
             with phase("verify"):
                 test = _test_metrics(test_fn, reference_model, models[winner.name])
             return TuneResult(
