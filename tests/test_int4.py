@@ -194,9 +194,28 @@ def test_pack_unpack_round_trip_with_odd_and_nd_shapes(shape):
     packed = int4.pack_int4(jnp.asarray(q))
     assert packed.shape == ((shape[0] + 1) // 2,) + shape[1:]
     np.testing.assert_array_equal(np.asarray(int4.unpack_int4(packed, shape[0])), q)
-    half = (shape[0] + 1) // 2  # row i + ceil(K/2) sits in the high nibble of byte i
-    np.testing.assert_array_equal(np.asarray(packed[: shape[0] - half] >> 4).astype(np.int8) << 4 >> 4,
-                                  q[half:])
+    # Rows 2j and 2j + 1 sit in byte row j's low and high nibbles (Keras's layout).
+    signed = np.asarray(packed).view(np.int8)
+    np.testing.assert_array_equal((signed << 4).astype(np.int8) >> 4, q[0::2])
+    np.testing.assert_array_equal((signed >> 4)[: shape[0] // 2], q[1::2])
+    if shape[0] % 2:
+        assert not np.any(signed[-1] >> 4)  # odd K: the last high nibble is padding, 0
+
+
+def test_the_packing_is_keras_int4_layout():
+    keras_quantizers = pytest.importorskip("keras.src.quantizers.quantizers")
+    q = np.random.default_rng(1).integers(-8, 8, (9, 4)).astype(np.int8)
+    packed_keras, _, _ = keras_quantizers.pack_int4(q, axis=0)
+    np.testing.assert_array_equal(np.asarray(int4.pack_int4(jnp.asarray(q))).view(np.int8),
+                                  np.asarray(packed_keras))
+
+
+def test_weights_in_the_old_split_halves_layout_are_repacked():
+    q = np.random.default_rng(2).integers(-8, 8, (7, 3)).astype(np.int8)
+    half = 4  # the old layout: row i low and row i + ceil(K/2) high in byte row i
+    padded = np.concatenate([q, np.zeros((1, 3), np.int8)]).view(np.uint8)
+    old = (padded[:half] & 0x0F) | (padded[half:] << 4)
+    np.testing.assert_array_equal(int4.repack_split_halves(old, 7), np.asarray(int4.pack_int4(jnp.asarray(q))))
 
 
 @pytest.mark.parametrize("block_size", [-1, 128, 100, 7])
@@ -408,3 +427,32 @@ def test_int4_models_save_and_load(tmp_path, policy):
     assert_bit_identical(loaded, quantized)
     assert loaded.layers[0].dtype_policy == ap.get(policy)
     np.testing.assert_array_equal(np.asarray(forward(loaded, x)), np.asarray(forward(quantized, x)))
+
+
+def test_a_model_saved_with_split_halves_int4_loads_repacked(tmp_path):
+    # A model saved before the consecutive-row layout (format autopolicy.nn/1) loads with its int4
+    # kernels repacked: the same outputs as the model it was saved from.
+    import json
+
+    from autopolicy import nn, policies
+
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(4, 9)), jnp.float32)  # K = 9: odd
+    model = nn.Sequential([nn.Dense(16), nn.Dense(8)], name="m").build(jax.random.key(0), x)
+    model = model.with_dtype_policy(policies.DTypePolicyMap("int4_from_float32"))
+    model = model.build(jax.random.key(0), x)
+    nn.save(model, tmp_path)
+    manifest = json.loads((tmp_path / "model.json").read_text())
+    assert manifest["format"] == "autopolicy.nn/2"
+    with np.load(tmp_path / "weights.npz") as stored:
+        arrays = {k: stored[k] for k in stored.files}
+    kernels = [k for k, v in arrays.items() if v.dtype == np.uint8]
+    assert kernels == [".layers[0].kernel", ".layers[1].kernel"]
+    for key in kernels:  # write them as format /1 did: row i low, row i + ceil(K/2) high
+        q = np.asarray(int4.unpack_int4(jnp.asarray(arrays[key]), 2 * arrays[key].shape[0]))
+        half = arrays[key].shape[0]
+        bits = q.view(np.uint8)
+        arrays[key] = (bits[:half] & 0x0F) | (bits[half:] << 4)
+    np.savez(tmp_path / "weights.npz", **arrays)
+    (tmp_path / "model.json").write_text(json.dumps({**manifest, "format": "autopolicy.nn/1"}))
+    loaded = nn.load(tmp_path)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(model(x)))

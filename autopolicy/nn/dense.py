@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from autopolicy.nn import activations, initializers
 from autopolicy.nn._quantizable import QuantizableKernel
+from autopolicy.numerics import _sharding
 
 __all__ = ["Dense", "EinsumDense"]
 
@@ -80,7 +81,8 @@ class Dense(QuantizableKernel):
 
     def call(self, x: jax.Array) -> jax.Array:
         if self._weights_mode is None:
-            y = jnp.matmul(x, self.kernel)
+            y = jnp.einsum("...k,kn->...n", x, self.kernel,
+                           out_sharding=_sharding.out_sharding("...k,kn->...n", x, self.kernel))
         else:  # quantized kernels take 2-D inputs: (rows, features)
             y2 = self._quantized_kernel("mk,kn->mn", x.reshape((-1, x.shape[-1])), compute_dtype=x.dtype)
             y = y2.reshape(x.shape[:-1] + (y2.shape[-1],))
@@ -206,7 +208,7 @@ class EinsumDense(QuantizableKernel):
     def call(self, x: jax.Array) -> jax.Array:
         equation = self._full_equation(x.ndim)
         if self._weights_mode is None:
-            y = jnp.einsum(equation, x, self.kernel)
+            y = jnp.einsum(equation, x, self.kernel, out_sharding=_sharding.out_sharding(equation, x, self.kernel))
         else:
             y = self._quantized_kernel(equation, x, compute_dtype=x.dtype)
         if self.bias is not None:

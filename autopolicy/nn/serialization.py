@@ -23,7 +23,10 @@ from autopolicy.nn._module import Module
 
 __all__ = ["save", "load", "register_serializable", "DamagedSaveError"]
 
-FORMAT = "autopolicy.nn/1"
+FORMAT = "autopolicy.nn/2"
+#: Formats ``load`` reads: /1 packed int4 weights as split halves (row i with row i + ceil(K/2)),
+#: repacked to /2's consecutive rows (Keras's layout) when loaded.
+READABLE_FORMATS = ("autopolicy.nn/1", FORMAT)
 MODEL_FILE = "model.json"
 WEIGHTS_FILE = "weights.npz"
 
@@ -149,8 +152,9 @@ def _manifest(raw: bytes, directory: str) -> dict[str, Any]:
         manifest = _json.loads(raw, MODEL_FILE, "JSON")
     except ValueError as e:
         raise _Damaged(str(e)) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{MODEL_FILE} in {directory!r} is not an autopolicy model (expected format {FORMAT!r}).")
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
+        raise ValueError(f"{MODEL_FILE} in {directory!r} is not an autopolicy model (expected format "
+                         f"{FORMAT!r}{' or an earlier one' if len(READABLE_FORMATS) > 1 else ''}).")
     missing = [k for k in ("config", "build_inputs", "policy_map", "dtypes") if k not in manifest]
     if missing:
         raise _Damaged(f"{MODEL_FILE} lacks {missing}")
@@ -209,7 +213,18 @@ def _array(stored: Any, key: str) -> np.ndarray:
         raise _Damaged(f"{WEIGHTS_FILE}: the array {key!r} is unreadable ({type(e).__name__}: {e})") from None
 
 
-def _weights(raw: bytes, model: Module, dtypes: dict[str, Any]) -> list[jax.Array]:
+def _migrate(key: str, arr: np.ndarray, saved_format: str) -> np.ndarray:
+    """A stored array in the current format: int4 kernels (``uint8`` kernels are only int4's)
+    saved by format /1 are repacked from split halves to consecutive rows."""
+    if saved_format == "autopolicy.nn/1" and arr.dtype == np.uint8 and key.endswith(".kernel"):
+        from autopolicy.numerics import int4  # pylint: disable=import-outside-toplevel
+
+        # 2 * rows: with an odd K, the old padding row (0) becomes the new one, in the same place.
+        return int4.repack_split_halves(arr, 2 * arr.shape[0])
+    return arr
+
+
+def _weights(raw: bytes, model: Module, dtypes: dict[str, Any], saved_format: str = FORMAT) -> list[jax.Array]:
     try:
         stored = np.load(io.BytesIO(raw), allow_pickle=False)
     except Exception as e:  # pylint: disable=broad-except
@@ -236,7 +251,7 @@ def _weights(raw: bytes, model: Module, dtypes: dict[str, Any]) -> list[jax.Arra
                                f"({type(e).__name__}: {e})") from None
             if arr.shape != leaf.shape or dtype != leaf.dtype:
                 raise _Damaged(f"{key}: saved {dtype}{arr.shape}, the model has {leaf.dtype}{leaf.shape}")
-            values.append(jnp.asarray(arr))
+            values.append(jnp.asarray(_migrate(key, arr, saved_format)))
     return values
 
 
@@ -275,7 +290,7 @@ def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = 
     try:
         manifest = _manifest(model_raw, directory)
         model = _rebuild(manifest, classes, directory)
-        values = _weights(_read(directory, WEIGHTS_FILE), model, manifest["dtypes"])
+        values = _weights(_read(directory, WEIGHTS_FILE), model, manifest["dtypes"], manifest["format"])
     except _Damaged as e:
         raise DamagedSaveError(directory, str(e)) from None
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(model), values)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.numerics import _u8s8_dot, cpu_kernels
+from autopolicy.numerics import _sharding, _u8s8_dot, cpu_kernels
 from autopolicy.numerics.device import Device, current_device
 
 __all__ = [
@@ -166,7 +166,8 @@ def _matmul_plan(equation: str) -> tuple[str, str, str] | None:
 
 def _s8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):
     del kernel_colsum
-    return jnp.einsum(equation, x_q, kernel_q, preferred_element_type=jnp.int32)
+    return jnp.einsum(equation, x_q, kernel_q, preferred_element_type=jnp.int32,
+                      out_sharding=_sharding.out_sharding(equation, x_q, kernel_q))
 
 
 def _u8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):

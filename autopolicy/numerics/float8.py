@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from autopolicy._pytree import pytree_dataclass, replace, set_fields
+from autopolicy.numerics import _sharding
 from autopolicy.numerics.device import Device, current_device
 
 __all__ = [
@@ -197,11 +198,12 @@ def _fp8_fwd(equation, x, kernel, x_meta, kernel_meta, grad_meta, kernel_name=No
     # the same gradient); a forward pass alone drops them.
     xq, kq = _dequantize(x8, x_meta.scale, x.dtype), _dequantize(k8, kernel_meta.scale, kernel.dtype)
     if kernel_name == "fp8_dot":
-        acc = jnp.einsum(equation, x8, k8, preferred_element_type=jnp.float32)
+        acc = jnp.einsum(equation, x8, k8, preferred_element_type=jnp.float32,
+                         out_sharding=_sharding.out_sharding(equation, x8, k8))
         scale = x_meta.scale.astype(jnp.float32) * kernel_meta.scale.astype(jnp.float32)
         y = (acc * scale).astype(x.dtype)
     else:
-        y = jnp.einsum(equation, xq, kq)
+        y = jnp.einsum(equation, xq, kq, out_sharding=_sharding.out_sharding(equation, xq, kq))
     return y, (xq, kq, _amax(x), _amax(kernel), x_meta, kernel_meta, grad_meta)
 
 

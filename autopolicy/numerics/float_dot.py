@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from autopolicy.numerics import _sharding
 from autopolicy.numerics.device import Device, current_device
 
 __all__ = ["FLOAT_KERNELS", "float_einsum", "float_kernel_available", "default_float_kernel"]
@@ -74,6 +75,7 @@ def float_einsum(equation: str, x: jax.Array, kernel: jax.Array, kernel_name: st
     if kernel_name is None:
         kernel_name = default_float_kernel(x.dtype)
     _check_kernel(kernel_name)
+    out = _sharding.out_sharding(equation, x, kernel)
     if kernel_name == "f32_accumulate" and jnp.dtype(x.dtype).itemsize < 4:
-        return jnp.einsum(equation, x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
-    return jnp.einsum(equation, x, kernel)
+        return jnp.einsum(equation, x, kernel, preferred_element_type=jnp.float32, out_sharding=out).astype(x.dtype)
+    return jnp.einsum(equation, x, kernel, out_sharding=out)

@@ -6,8 +6,9 @@ zero point (asymmetric); this one stays symmetric, so the integer product needs 
 term. A kernel is first laid out as ``(K, *outputs)``, the contracted axes flattened into ``K``;
 scales cover one output channel over all of ``K`` (per channel, ``block_size=-1``) or over
 blocks of ``block_size`` consecutive entries of ``K`` (``G = ceil(K / block_size)`` scales per
-output). Packing: byte ``i`` holds row ``i`` in its low nibble and row ``i + ceil(K / 2)`` in its
-high one, so each half unpacks with one shift and no interleaving.
+output). Packing: byte row ``j`` holds rows ``2j`` and ``2j + 1`` in its low and high nibbles, as
+Keras packs: consecutive rows, so a kernel sharded along ``K`` packs and unpacks on each shard
+(saved models from before this layout, ``autopolicy.nn/1``, are repacked when loaded).
 
 The product: unpack the nibbles to int8 and multiply them with the inputs quantized to int8 per
 row, accumulating in int32 (on CPUs with VNNI or AMX through the u8 x s8 path of
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.numerics import _int8_accumulate, _u8s8_dot, cpu_kernels
+from autopolicy.numerics import _int8_accumulate, _sharding, _u8s8_dot, cpu_kernels
 from autopolicy.numerics.int8 import INT8_MAX
 
 __all__ = [
@@ -79,17 +80,19 @@ def block_count(k: int, block_size: int) -> int:
 @jax.jit
 def pack_int4(q: jax.Array) -> jax.Array:
     """Packs int8 values in [-8, 7] two to a byte along axis 0: ``(K, ...) -> (ceil(K/2), ...)``
-    uint8, row ``i`` in the low nibble and row ``i + ceil(K/2)`` in the high one.
+    uint8, rows ``2j`` and ``2j + 1`` in byte row ``j``'s low and high nibbles (Keras's layout;
+    odd ``K``: the last high nibble is 0). Consecutive rows, so a kernel sharded along ``K``
+    packs and unpacks shard by shard, without a collective.
 
-    >>> pack_int4(jnp.array([[-3], [7], [2]], jnp.int8))  # (-3 & 15) | (2 << 4), 7 | (0 << 4)
-    Array([[45],
-           [ 7]], dtype=uint8)
+    >>> pack_int4(jnp.array([[-3], [7], [2]], jnp.int8))  # (-3 & 15) | (7 << 4), 2 | (0 << 4)
+    Array([[125],
+           [  2]], dtype=uint8)
     """
     k = q.shape[0]
-    half = (k + 1) // 2
-    padded = jnp.pad(q, [(0, 2 * half - k)] + [(0, 0)] * (q.ndim - 1))
-    bits = jax.lax.bitcast_convert_type(padded, jnp.uint8)
-    return (bits[:half] & np.uint8(0x0F)) | jax.lax.shift_left(bits[half:], np.uint8(4))
+    pairs = (k + 1) // 2
+    padded = jnp.pad(q, [(0, 2 * pairs - k)] + [(0, 0)] * (q.ndim - 1))
+    bits = jax.lax.bitcast_convert_type(padded, jnp.uint8).reshape((pairs, 2) + q.shape[1:])
+    return (bits[:, 0] & np.uint8(0x0F)) | jax.lax.shift_left(bits[:, 1], np.uint8(4))
 
 
 def _low(packed: jax.Array) -> jax.Array:
@@ -101,14 +104,37 @@ def _high(packed: jax.Array) -> jax.Array:
     return jax.lax.shift_right_arithmetic(jax.lax.bitcast_convert_type(packed, jnp.int8), _FOUR)
 
 
+def _unpack(packed: jax.Array, k: int) -> jax.Array:
+    pairs = packed.shape[0]
+    both = jnp.stack([_low(packed), _high(packed)], axis=1)  # (pairs, 2, ...)
+    q = both.reshape((2 * pairs,) + packed.shape[1:])
+    return q if 2 * pairs == k else q[:k]
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def unpack_int4(packed: jax.Array, k: int) -> jax.Array:
     """The int8 values :func:`pack_int4` packed: ``(ceil(k/2), ...) -> (k, ...)``.
 
-    >>> unpack_int4(jnp.array([[45], [7]], jnp.uint8), 3)[:, 0]
+    >>> unpack_int4(jnp.array([[125], [2]], jnp.uint8), 3)[:, 0]
     Array([-3,  7,  2], dtype=int8)
     """
-    return jnp.concatenate([_low(packed), _high(packed)])[:k]
+    return _unpack(packed, k)
+
+
+def repack_split_halves(packed: np.ndarray, k: int) -> np.ndarray:
+    """Converts int4 weights packed the way autopolicy did before format ``autopolicy.nn/2``
+    (byte row ``i``: row ``i`` low, row ``i + ceil(k/2)`` high) to :func:`pack_int4`'s layout.
+
+    >>> old = np.array([[45], [7]], np.uint8)  # rows (-3, 7, 2) in the old layout
+    >>> repack_split_halves(old, 3)[:, 0]
+    array([125,   2], dtype=uint8)
+    """
+    packed = np.asarray(packed, np.uint8)
+    signed = packed.view(np.int8)
+    low = ((signed << 4).astype(np.int8) >> 4).astype(np.int8)
+    high = (signed >> 4).astype(np.int8)
+    q = np.concatenate([low, high])[:k]
+    return np.asarray(pack_int4(jnp.asarray(q)))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -145,21 +171,6 @@ def dequantize_int4(packed: jax.Array, scale: jax.Array, k: int, block_size: int
     return (q * per_row[:k]).astype(dtype)
 
 
-def _segments(k: int, block: int) -> list[list[tuple[int, int, int, int]]]:
-    """Per block of rows, the ``(half, start, stop, x_start)`` slices of the packed halves."""
-    half = (k + 1) // 2
-    out = []
-    for g in range(math.ceil(k / block)):
-        lo, hi = g * block, min(g * block + block, k)
-        parts = []
-        if lo < half:
-            parts.append((0, lo, min(hi, half), lo))
-        if hi > half:
-            parts.append((1, max(lo, half) - half, hi - half, max(lo, half)))
-        out.append(parts)
-    return out
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _column_sums(q: jax.Array, block_size: int) -> jax.Array:
     """``128 * sum(q)`` per block of rows, in int32 (what the +128 shift of u8 inputs adds)."""
@@ -170,8 +181,7 @@ def _column_sums(q: jax.Array, block_size: int) -> jax.Array:
     return 128 * jnp.sum(padded.reshape((groups, block) + q.shape[1:]), axis=1)
 
 
-#: The int4 kernels: ``"xla"`` (the int8 dots of XLA, one per block and half of the packed
-#: kernel) and ``"cpu_ffi"`` (autopolicy's CPU kernel, :mod:`autopolicy.numerics.cpu_kernels`:
+#: The int4 kernels: ``"xla"`` (XLA's int8 dot of the unpacked kernel, the blocks as a batch) and ``"cpu_ffi"`` (autopolicy's CPU kernel, :mod:`autopolicy.numerics.cpu_kernels`:
 #: the nibbles unpacked in registers, the blocks' scales applied inside; equal to ``"xla"`` up
 #: to float32 rounding of the sum over blocks).
 INT4_KERNELS = ("xla", "cpu_ffi")
@@ -233,15 +243,24 @@ def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel
         dot = _u8s8_dot.u8s8_matmul
     else:
         xin = xq.astype(jnp.int8)
-        dot = functools.partial(jnp.matmul, preferred_element_type=jnp.int32)
-    halves = (_low(packed), _high(packed))
+        def dot(a, b):
+            return jnp.matmul(a, b, preferred_element_type=jnp.int32,
+                              out_sharding=_sharding.out_sharding("mk,kn->mn", a, b))
+    q = _unpack(packed, k)  # (K, N) int8: consecutive rows, so a K-sharded kernel unpacks in place
     block = k if block_size == PER_CHANNEL else block_size
+    groups = block_count(k, block_size)
+    if not u8 and groups > 1 and groups * block == k:
+        # Every block's accumulators in one batched int8 dot, (G, M, N), then rescaled and summed.
+        n = q.shape[1]
+        xb, qb = xin.reshape((xin.shape[0], groups, block)), q.reshape((groups, block, n))
+        acc = jnp.einsum("mgb,gbn->gmn", xb, qb, preferred_element_type=jnp.int32,
+                         out_sharding=_sharding.out_sharding("mgb,gbn->gmn", xb, qb))
+        y = jnp.sum(acc.astype(jnp.float32) * scale.astype(jnp.float32)[:, None, :], axis=0)
+        return (y * x_scale).astype(compute_dtype), (x, packed, scale, colsum)
     y = None
-    for g, parts in enumerate(_segments(k, block)):
-        acc = None
-        for half, start, stop, x_start in parts:
-            part = dot(xin[:, x_start : x_start + stop - start], halves[half][start:stop])
-            acc = part if acc is None else acc + part
+    for g in range(groups):
+        lo, hi = g * block, min(k, (g + 1) * block)
+        acc = dot(xin[:, lo:hi], q[lo:hi]) if groups > 1 else dot(xin, q)
         if u8:
             acc = acc[:rows] - colsum[g]
         term = acc.astype(jnp.float32) * scale[g].astype(jnp.float32)
@@ -303,7 +322,8 @@ def int4_einsum(
         kernel = dequantize_int4(packed, scale, k, block_size, x.dtype)
         kernel = kernel.reshape(tuple(sizes[c] for c in contracted) + packed.shape[1:])
         kernel = jnp.transpose(kernel, [(contracted + others).index(c) for c in rhs])
-        return jnp.einsum(equation, x, kernel).astype(compute_dtype)
+        return jnp.einsum(equation, x, kernel, out_sharding=_sharding.out_sharding(equation, x, kernel)).astype(
+            compute_dtype)
     order = [lhs.index(c) for c in free_x + contracted]
     x2 = jnp.transpose(x, order).reshape((-1, k))
     n = math.prod(packed.shape[1:])

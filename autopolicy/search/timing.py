@@ -75,6 +75,25 @@ def _perturb(args: tuple, carry: jax.Array, eps: jax.Array) -> tuple:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _spans_devices(tree: Any) -> bool:
+    """Whether any array of ``tree`` is laid out over more than one device."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and len(sharding.device_set) > 1:
+            return True
+    return False
+
+
+def _zeros_like_type(shape: Any) -> jax.Array:
+    """Zeros of an abstract value's shape and dtype, with its sharding under Explicit mesh axes
+    (a loop's carry must keep one type)."""
+    sharding = getattr(shape, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and any(entry is not None for entry in spec):
+        return jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding)
+    return jnp.zeros(shape.shape, shape.dtype)
+
+
 def compile_loop(candidate: Candidate, inner: int | None = None) -> Callable[..., None]:
     """Compiles dependent calls of the candidate, once, and returns a blocking runner.
 
@@ -83,12 +102,21 @@ def compile_loop(candidate: Candidate, inner: int | None = None) -> Callable[...
     compilation (whole models take seconds to compile).
     """
 
+    sharded = _spans_devices((candidate.state, candidate.inputs))
+
     def loop(state, inputs, eps, count):
         def step(scalar):
             return candidate.call(state, _perturb(inputs, scalar, eps))
 
         def body(_, carry):
-            scalar, _ = carry
+            scalar, previous = carry
+            if sharded:
+                # A scalar taken from a sharded output would add a collective to every call
+                # timed (and Explicit axes refuse the slice): the inputs go through an
+                # optimization barrier with the previous outputs instead, which XLA can neither
+                # see through nor hoist, at no cost.
+                tied, _ = jax.lax.optimization_barrier((inputs, previous))
+                return scalar, candidate.call(state, tied)
             out = step(scalar)
             first = jax.tree_util.tree_leaves(out)[0]
             # Every output is part of the loop's result, so none of it can be dropped; the
@@ -97,7 +125,7 @@ def compile_loop(candidate: Candidate, inner: int | None = None) -> Callable[...
 
         zero = jnp.zeros((), jnp.float32)
         shapes = jax.eval_shape(step, zero)
-        init = (zero, jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
+        init = (zero, jax.tree_util.tree_map(_zeros_like_type, shapes))
         return jax.lax.fori_loop(0, count, body, init)
 
     state = candidate.state

@@ -77,9 +77,8 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ff
   const int64_t groups = (k + block - 1) / block;
   if (sd.size() != 2 || sd[0] != groups || sd[1] != n)
     return bad("autopolicy int4 matmul: the scale must be (G, N) = (" + std::to_string(groups) + ", " + std::to_string(n) + ")");
-  const int64_t half = (k + 1) / 2;
-  // SIMD paths take rows in pairs: a pair must not straddle a block.
-  const bool pairs_ok = groups == 1 || (block % 2 == 0 && half % 2 == 0);
+  // SIMD paths take rows in pairs (2j, 2j + 1): a pair must not straddle a block.
+  const bool pairs_ok = groups == 1 || block % 2 == 0;
   const Path& path = current_path();
   Int4Fn fn = pairs_ok ? path.int4 : int4_portable;
   const int8_t* xp = x.typed_data();

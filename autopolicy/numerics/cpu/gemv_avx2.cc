@@ -100,20 +100,18 @@ void int8_rows(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t n
 inline __m256i low_nibbles(__m256i v) { return _mm256_srai_epi16(_mm256_slli_epi16(v, 12), 12); }
 inline __m256i high_nibbles(__m256i v) { return _mm256_srai_epi16(v, 4); }
 
-// R rows of x times columns [n0, n1) (a multiple of 16 wide) of a packed int4 kernel, streamed
-// two byte rows a pass. Byte rows i and i + 1 give rows (i, i + 1) in their low nibbles and
-// (i + half, i + half + 1) in their high ones: two streams, each summed in int32 per block in a
-// scratch row, and added into the float output times its block's scales when its block ends.
+// R rows of x times columns [n0, n1) (a multiple of 16 wide) of a packed int4 kernel, one byte
+// row a step: byte row j holds rows (2j, 2j + 1) in its (low, high) nibbles, exactly the pair
+// one vpmaddwd multiplies by a broadcast (x[2j], x[2j + 1]). Each block is summed in int32 in a
+// scratch row, and added into the float output times its scales when the block ends.
 template <int R>
 void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_t block, const float* scale,
                  int64_t n0, int64_t n1, float* out, int32_t* scratch) {
-  const int64_t half = (k + 1) / 2, width = n1 - n0;
-  const int64_t last = (k + block - 1) / block - 1;  // padding rows (odd K) hold zeros
-  int32_t* lo_sums = scratch;                          // (R, width)
-  int32_t* hi_sums = scratch + R * width;              // (R, width)
-  std::memset(scratch, 0, 2 * R * width * sizeof(int32_t));
+  const int64_t pairs = (k + 1) / 2, width = n1 - n0;
+  int32_t* sums = scratch;  // (R, width)
+  std::memset(sums, 0, R * width * sizeof(int32_t));
   for (int r = 0; r < R; ++r) std::memset(out + r * n + n0, 0, width * sizeof(float));
-  auto flush = [&](int32_t* sums, int64_t g) {
+  auto flush = [&](int64_t g) {
     const float* s = scale + g * n;
     for (int r = 0; r < R; ++r) {
       float* y = out + r * n;
@@ -131,42 +129,29 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
       std::memset(row, 0, width * sizeof(int32_t));
     }
   };
-  int64_t group_lo = 0, group_hi = std::min(half / block, last);
-  const __m256i zero = _mm256_setzero_si256();
-  for (int64_t i = 0; i < half; i += 2) {
-    const int64_t g_lo = i / block, g_hi = std::min((i + half) / block, last);
-    if (g_lo != group_lo) { flush(lo_sums, group_lo); group_lo = g_lo; }
-    if (g_hi != group_hi) { flush(hi_sums, group_hi); group_hi = g_hi; }
-    const bool second = i + 1 < half;
-    __m256i pl[R], ph[R];
+  int64_t group = 0;
+  for (int64_t j = 0; j < pairs; ++j) {
+    const int64_t g = (2 * j) / block;  // the pair's block (blocks are even: no pair straddles two)
+    if (g != group) { flush(group); group = g; }
+    __m256i xp[R];
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = x + r * k;
-      const int32_t x0 = xr[i], x1 = second ? xr[i + 1] : 0;
-      const int32_t x2 = i + half < k ? xr[i + half] : 0;
-      const int32_t x3 = second && i + half + 1 < k ? xr[i + half + 1] : 0;
-      pl[r] = _mm256_set1_epi32((x0 & 0xFFFF) | (x1 << 16));
-      ph[r] = _mm256_set1_epi32((x2 & 0xFFFF) | (x3 << 16));
+      const int32_t x0 = xr[2 * j], x1 = 2 * j + 1 < k ? xr[2 * j + 1] : 0;  // odd K: the pad row is 0
+      xp[r] = _mm256_set1_epi32((x0 & 0xFFFF) | (x1 << 16));
     }
-    const uint8_t* row0 = w + i * n;
-    const uint8_t* row1 = second ? row0 + n : row0;
+    const uint8_t* row = w + j * n;
     for (int64_t c = n0; c < n1; c += 16) {
-      const __m256i a = widen(row0 + c);
-      const __m256i b = second ? widen(row1 + c) : zero;
-      const __m256i la = low_nibbles(a), lb = low_nibbles(b), ha = high_nibbles(a), hb = high_nibbles(b);
-      const __m256i l0 = _mm256_unpacklo_epi16(la, lb), l1 = _mm256_unpackhi_epi16(la, lb);
-      const __m256i h0 = _mm256_unpacklo_epi16(ha, hb), h1 = _mm256_unpackhi_epi16(ha, hb);
+      const __m256i a = widen(row + c);
+      const __m256i even = low_nibbles(a), odd = high_nibbles(a);
+      const __m256i p0 = _mm256_unpacklo_epi16(even, odd), p1 = _mm256_unpackhi_epi16(even, odd);
       for (int r = 0; r < R; ++r) {
-        __m256i* pl_sum = reinterpret_cast<__m256i*>(lo_sums + r * width + (c - n0));
-        __m256i* ph_sum = reinterpret_cast<__m256i*>(hi_sums + r * width + (c - n0));
-        _mm256_storeu_si256(pl_sum, _mm256_add_epi32(_mm256_loadu_si256(pl_sum), _mm256_madd_epi16(l0, pl[r])));
-        _mm256_storeu_si256(pl_sum + 1, _mm256_add_epi32(_mm256_loadu_si256(pl_sum + 1), _mm256_madd_epi16(l1, pl[r])));
-        _mm256_storeu_si256(ph_sum, _mm256_add_epi32(_mm256_loadu_si256(ph_sum), _mm256_madd_epi16(h0, ph[r])));
-        _mm256_storeu_si256(ph_sum + 1, _mm256_add_epi32(_mm256_loadu_si256(ph_sum + 1), _mm256_madd_epi16(h1, ph[r])));
+        __m256i* acc = reinterpret_cast<__m256i*>(sums + r * width + (c - n0));
+        _mm256_storeu_si256(acc, _mm256_add_epi32(_mm256_loadu_si256(acc), _mm256_madd_epi16(p0, xp[r])));
+        _mm256_storeu_si256(acc + 1, _mm256_add_epi32(_mm256_loadu_si256(acc + 1), _mm256_madd_epi16(p1, xp[r])));
       }
     }
   }
-  flush(lo_sums, group_lo);
-  flush(hi_sums, group_hi);
+  flush(group);
 }
 
 }  // namespace
@@ -179,13 +164,13 @@ void int8_avx2(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n
   for (; r < m; ++r) int8_rows<1>(x + r * k, k, w, n, n0, n1, acc + r * n);
 }
 
-// Needs pairs of rows never to straddle a block: block even (or one block), and half even when
-// there are several blocks; the FFI binding checks it and runs the portable path otherwise.
+// Needs pairs of rows (2j, 2j + 1) never to straddle a block: an even block (or one block); the
+// FFI binding checks it and runs the portable path otherwise.
 void int4_avx2(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                const float* scale, int64_t n0, int64_t n1, float* out) {
   const int64_t simd_end = n0 + (n1 - n0) / 16 * 16;
   if (simd_end > n0) {
-    std::vector<int32_t> scratch(4 * (simd_end - n0));
+    std::vector<int32_t> scratch(2 * (simd_end - n0));
     int64_t r = 0;
     for (; r + 2 <= m; r += 2)
       int4_stream<2>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.data());

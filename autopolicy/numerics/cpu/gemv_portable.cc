@@ -24,7 +24,6 @@ static inline int32_t high_nibble(uint8_t b) { return static_cast<int32_t>(stati
 
 void int4_portable(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                    const float* scale, int64_t n0, int64_t n1, float* out) {
-  const int64_t half = (k + 1) / 2;
   std::vector<int32_t> sums(n1 - n0);
   for (int64_t r = 0; r < m; ++r) {
     float* y = out + r * n;
@@ -32,8 +31,8 @@ void int4_portable(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int6
       std::fill(sums.begin(), sums.end(), 0);
       for (int64_t i = g * block; i < std::min(k, (g + 1) * block); ++i) {
         const int32_t xv = x[r * k + i];
-        const bool high = i >= half;
-        const uint8_t* row = w + (high ? i - half : i) * n;
+        const bool high = i % 2 == 1;  // row i is in byte row i / 2: even rows low, odd rows high
+        const uint8_t* row = w + (i / 2) * n;
         for (int64_t c = n0; c < n1; ++c) sums[c - n0] += xv * (high ? high_nibble(row[c]) : low_nibble(row[c]));
       }
       for (int64_t c = n0; c < n1; ++c) {

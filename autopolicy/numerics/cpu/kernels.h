@@ -3,8 +3,8 @@
 // Every kernel computes int32 accumulators of int8 activations (rows of x, quantized per row by
 // the caller) against the package's own weight storage, for the output columns [n0, n1):
 //   int8:  w is (K, N) int8, row-major;                acc[m, n] = sum_k x[m, k] * w[k, n]
-//   int4:  w is (ceil(K/2), N) uint8, byte row i holding row i in its low nibble and row
-//          i + ceil(K/2) in its high one (signed nibbles), with a float scale per block of
+//   int4:  w is (ceil(K/2), N) uint8, byte row j holding rows 2j and 2j + 1 in its low and
+//          high nibbles (signed; Keras's layout), with a float scale per block of
 //          `block` rows and column (scale: (G, N), G = ceil(K / block); per channel: block = K);
 //          out[m, n] = sum_g float(sum over block g of x * w) * scale[g, n], in float32 (the
 //          portable path sums the blocks in order, as the package's XLA path does).
