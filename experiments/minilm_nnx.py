@@ -51,9 +51,10 @@ def require_flax() -> None:
     """Raises ModuleNotFoundError naming the pip command when Flax or Qwix is missing."""
     missing = [name for name in ("flax", "qwix") if importlib.util.find_spec(name) is None]
     if missing or nnx is None:
+        missing = missing or ["flax"]
         raise ModuleNotFoundError(
-            f"The minilm_nnx experiment needs the flax extra ({', '.join(missing) or 'flax'} is not installed). "
-            f"Install it with: {FLAX_INSTALL}"
+            f"The minilm_nnx experiment needs the flax extra ({' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed). Install it with: {FLAX_INSTALL}"
         )
 
 
