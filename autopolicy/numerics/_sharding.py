@@ -21,7 +21,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, PartitionSpec
 
-__all__ = ["out_sharding", "explicit_mesh", "spec_of"]
+__all__ = ["out_sharding", "explicit_mesh", "spec_of", "spans_devices", "describe", "collectives", "shards_along",
+           "COLLECTIVES"]
 
 
 def explicit_mesh() -> Any:
@@ -80,3 +81,66 @@ def out_sharding(equation: str, x: Any, kernel: Any) -> PartitionSpec | None:
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*out)
+
+
+def spans_devices(tree: Any) -> bool:
+    """Whether any concrete array of ``tree`` is laid out over more than one device."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and len(getattr(sharding, "device_set", ())) > 1:
+            return True
+    return False
+
+
+def describe(x: Any) -> str | None:
+    """A concrete array's layout when it spans devices: the mesh's axes, their sizes and types,
+    and its PartitionSpec (``"data=2,model=2 Explicit,Explicit P('data', None)"``); None for an
+    array on one device. Part of a layer's signature, so sharded and unsharded layers (and two
+    shardings) never share a timing."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or len(getattr(sharding, "device_set", ())) <= 1:
+        return None
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None:
+        return f"{type(sharding).__name__} over {len(sharding.device_set)} devices"
+    axes = ",".join(f"{name}={size}" for name, size in mesh.shape.items())
+    types = ",".join(str(t).split(".")[-1] for t in mesh.axis_types)
+    return f"{axes} {types} {spec}"
+
+
+#: The collective operations of XLA's HLO, as they appear in a compiled module's text.
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast")
+
+
+def collectives(hlo_text: str) -> str:
+    """The collectives a compiled program runs, counted: ``"all-reduce x2, all-gather x1"``, or
+    ``"none"``.
+
+    >>> collectives("%a = f32[4] all-reduce(%x)\\n%b = f32[8] all-gather-start(%y)\\n%c = add(%a, %a)")
+    'all-reduce x1, all-gather x1'
+    """
+    import re  # pylint: disable=import-outside-toplevel
+
+    counts = {}
+    for name in COLLECTIVES:
+        # An op is "name(" or its async "name-start(" (its "-done" is the same op).
+        found = len(re.findall(rf"\s{re.escape(name)}(?:-start)?\(", hlo_text))
+        if found:
+            counts[name] = found
+    return ", ".join(f"{k} x{v}" for k, v in counts.items()) or "none"
+
+
+def shards_along(x: Any, axis: int) -> int:
+    """How many pieces ``x`` is split into along ``axis`` (1: not split), from a concrete
+    array's NamedSharding or, inside a trace, its Explicit sharding type."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not hasattr(sharding, "spec"):
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or axis >= len(spec):
+        return 1
+    pieces = 1
+    for name in _axes(spec[axis]):
+        pieces *= dict(mesh.shape)[name]
+    return pieces

@@ -352,7 +352,26 @@ def quantize_weights(kernel: jax.Array, contract_axes: Sequence[int], op: str, p
     del op  # int4 runs einsum kernels only
     (block_size,) = block_size_of(policy)
     axes = tuple(sorted(a % kernel.ndim for a in contract_axes))
+    _check_shards(kernel, axes, block_size)
     return _quantize_kernel(kernel, axes, block_size, jnp.dtype(scale_dtype))
+
+
+def _check_shards(kernel: jax.Array, axes: tuple[int, ...], block_size: int) -> None:
+    """A kernel sharded along its contraction keeps every block (and byte pair) on one shard:
+    each shard's rows must be a whole number of blocks (per channel: of pairs)."""
+    if len(axes) != 1:
+        return
+    pieces = _sharding.shards_along(kernel, axes[0])
+    if pieces <= 1:
+        return
+    rows = kernel.shape[axes[0]]
+    unit = 2 if block_size == PER_CHANNEL else block_size
+    if rows % pieces or (rows // pieces) % unit:
+        what = "pairs of rows (two int4 values a byte)" if block_size == PER_CHANNEL else f"blocks of {block_size} rows"
+        raise ValueError(f"Cannot quantize a kernel sharded {pieces} ways along its {rows} contracted rows to int4 "
+                         f"with block_size={block_size}: each shard's {rows / pieces:g} rows are not whole {what}, so "
+                         "blocks would cross shard boundaries. Choose a block size that divides the rows of a shard "
+                         "(or shard the kernel along its outputs).")
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

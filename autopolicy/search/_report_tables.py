@@ -36,6 +36,7 @@ def profile_frame(latency: LatencyProfile, accuracy: AccuracyProfile, chosen: Co
                 "compute_dtype": policy.compute_dtype,
                 "kernel": t.kernel,
                 "tactics": format_tactics(t.tactics),
+                "collectives": t.collectives,
                 "latency_s": t.latency_s,
                 "latency_p25_s": t.latency_p25_s,
                 "latency_p75_s": t.latency_p75_s,

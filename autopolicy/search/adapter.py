@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopolicy import policies
+from autopolicy.numerics import _sharding
 from autopolicy.search.cache import weights_digest as digest_arrays
 
 __all__ = [
@@ -182,7 +183,12 @@ def shapes_and_dtypes(tree: Any) -> list:
     >>> shapes_and_dtypes({"x": jnp.ones((2, 3))})
     [[[2, 3], 'float32']]
     """
-    return [[list(np.shape(x)), str(jnp.result_type(x))] for x in jax.tree_util.tree_leaves(tree)]
+    out = []
+    for x in jax.tree_util.tree_leaves(tree):
+        entry = [list(np.shape(x)), str(jnp.result_type(x))]
+        layout = _sharding.describe(x)  # an array over several devices: its mesh and PartitionSpec
+        out.append(entry if layout is None else entry + [layout])
+    return out
 
 
 #: Optional adapter methods for modes with several kernels (tactics); an adapter without them

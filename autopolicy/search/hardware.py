@@ -56,6 +56,7 @@ def detect() -> dict[str, Any]:
         "platform": device.platform,
         "device_kind": device.device_kind,
         "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
         "cpu": _cpu_info(),
         "jax": jax.__version__,
         "jaxlib": getattr(jaxlib, "__version__", "unknown"),
@@ -75,6 +76,8 @@ def fingerprint(info: dict[str, Any] | None = None) -> str:
     relevant = {k: info.get(k) for k in ("platform", "device_kind", "device_count", "jax", "jaxlib",
                                          "compute_capability", "xla_flags")}
     relevant["cpu"] = {k: info["cpu"][k] for k in ("model", "features", "cores")}
+    if info.get("process_count", 1) > 1:  # multi-controller: the processes are part of the machine
+        relevant["process_count"] = info["process_count"]
     digest = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode("utf-8")).hexdigest()
     return digest[:16]
 

@@ -81,6 +81,7 @@ class LayerTiming:
     kernel: str = ""  # the kernel (tactic) it runs, where its mode names one
     output_error: float = math.nan  # relative squared error of its output vs float32 on the real input
     tactics: tuple[tuple[str, float], ...] = ()  # (kernel, median seconds) of every kernel timed
+    collectives: str = ""  # a layer over several devices: the collectives it compiles to ("none")
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "LayerTiming":

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopolicy import policies
+from autopolicy.numerics import _sharding
 from autopolicy.search import timing
 from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
 from autopolicy.search._progress import progress as bar
@@ -144,6 +145,9 @@ def layer_latency(
                       "repeats": t.repeats, "inner": t.inner, "finite": _finite(result),
                       "nbytes": adapter.layer_bytes(site.path, policy), "remeasured": again[name],
                       "output_error": relative_error(reference, result), "kernel": kernel or ""}
+            if _sharding.spans_devices((cand.state, cand.inputs)):  # what XLA inserted between devices
+                compiled = jax.jit(cand.fn).lower(cand.state, *cand.inputs).compile()
+                record["collectives"] = _sharding.collectives(compiled.as_text())
             records[name] = cache.put(keys[name], record, share=True)
             fresh.add(keys[name])
     out = {}

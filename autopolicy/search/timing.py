@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autopolicy.numerics import _sharding
+
 __all__ = ["Timing", "Candidate", "Timer", "compile_loop", "measure", "summarize"]
 
 #: Part of every cached timing's key: measurements taken by an older method (or an older kernel
@@ -75,15 +77,6 @@ def _perturb(args: tuple, carry: jax.Array, eps: jax.Array) -> tuple:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _spans_devices(tree: Any) -> bool:
-    """Whether any array of ``tree`` is laid out over more than one device."""
-    for leaf in jax.tree_util.tree_leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is not None and len(sharding.device_set) > 1:
-            return True
-    return False
-
-
 def _zeros_like_type(shape: Any) -> jax.Array:
     """Zeros of an abstract value's shape and dtype, with its sharding under Explicit mesh axes
     (a loop's carry must keep one type)."""
@@ -102,7 +95,7 @@ def compile_loop(candidate: Candidate, inner: int | None = None) -> Callable[...
     compilation (whole models take seconds to compile).
     """
 
-    sharded = _spans_devices((candidate.state, candidate.inputs))
+    sharded = _sharding.spans_devices((candidate.state, candidate.inputs))
 
     def loop(state, inputs, eps, count):
         def step(scalar):
