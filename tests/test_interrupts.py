@@ -18,7 +18,7 @@ import bench_interrupts  # noqa: E402  pylint: disable=wrong-import-position
 
 #: Seconds after the first measurement flush (cache/measurements.json appears) at which SIGINT
 #: is sent: during layer timing, casts, calibration, verification and end-to-end rounds.
-DELAYS = (0.0, 0.02, 0.1, 0.25, 0.5, 0.8, 1.2, 1.8)
+DELAYS = (0.0, 0.1, 0.25, 0.5, 0.9, 1.5)
 
 
 @pytest.mark.slow
