@@ -113,8 +113,8 @@ def build(cache_dir) -> Experiment:
     """The tuning task: the objective is the latency of one decode step at cache length CACHE
     (the sample input is a decode step's arguments); the metric is the perplexity of WINDOWS
     calibration-split windows, lower is better (a relative ``max_drop`` of 0.02 allows it up to
-    2% above float32's); ``test_fn`` is the held-out perplexity. Calibration batches are other calibration-split windows, run without
-    a cache (a prefill)."""
+    2% above float32's); ``test_fn`` is the held-out perplexity. Calibration batches are other
+    calibration-split windows, run without a cache (a prefill)."""
     del cache_dir  # the weights come from the installed package: nothing to train or cache
     model, _, tok = load()
     calibration = windows(tok, "calibration", None)

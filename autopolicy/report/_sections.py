@@ -197,8 +197,9 @@ def _tables(run: dict[str, Any]) -> list[Block]:
         Table(tables.overview_table(run)),
         *_evidence.latency_model(run),
         Heading("Per-layer measurements"),
-        Paragraph(f"Latency in ms (median) under each policy; cost: the metric {_word(run['summary']['budget'])} "
-                  "with only that layer changed (— where it was not measured); bytes: the layer's weights; kernel (where named): "
+        Paragraph(f"Latency in ms (median) under each policy; cost: the metric "
+                  f"{_word(run['summary']['budget'])} with only that layer changed (— where it was not "
+                  "measured); bytes: the layer's weights; kernel (where named): "
                   "the kernel the chosen policy runs, where its mode has several."),
         Table(tables.layer_table(run)),
     ]
