@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a built-in experiment (see `autopolicy list`), a .py file, or a .keras model with "
                            "--eval and --sample (default: digits_mlp)")
     tune.add_argument("--eval", default=None, metavar="MODULE:FUNCTION",
-                      help="for a .keras model: eval(model) -> float, higher is better (module or file.py)")
+                      help="for a .keras model: eval(model) -> float, higher is better unless --lower-is-better "
+                           "(module or file.py)")
     tune.add_argument("--sample", default=None, metavar="SAMPLE",
                       help="for a .keras model: a realistic input batch, a .npy/.npz file or MODULE:FUNCTION")
     tune.add_argument("--test", default=None, metavar="MODULE:FUNCTION",
