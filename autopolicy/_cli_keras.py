@@ -87,7 +87,7 @@ def keras_experiment(path: str, eval_spec: str | None, sample_spec: str | None, 
     if not eval_spec or not sample_spec:
         missing = [flag for flag, value in (("--eval", eval_spec), ("--sample", sample_spec)) if not value]
         raise ValueError(f"Tuning a .keras file needs {' and '.join(missing)}: --eval module:function (eval(model) -> "
-                         f"float, higher is better) and --sample ({_SAMPLE_FORMS}).")
+                         f"float, higher is better unless --lower-is-better) and --sample ({_SAMPLE_FORMS}).")
     import autopolicy.keras as apk  # pylint: disable=import-outside-toplevel
 
     eval_fn = load_callable(eval_spec, "--eval")

@@ -47,16 +47,30 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class _Fraction(float):
+    """A ``--max-drop`` value that remembers how it was written (for messages)."""
+
+    text: str = ""
+
+
 def _fraction(text: str) -> float:
-    """``0.01`` or ``1%`` -> 0.01."""
+    """``0.01`` or ``1%`` -> 0.01 (over 100% is refused later, for a higher-is-better metric only:
+    a perplexity may rise by more than itself)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(%?)\s*", text)
     if not match:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a fraction (like 0.01) or a percentage (like 1%)")
-    value = float(match.group(1)) / (100.0 if match.group(2) else 1.0)
-    if match.group(2) and value > 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is over 100%: a relative drop is at most the whole metric")
+    value = _Fraction(float(match.group(1)) / (100.0 if match.group(2) else 1.0))
+    value.text = text if match.group(2) else ""
     return value
+
+
+def _check_percentage(max_drop: float, higher_is_better: bool) -> None:
+    """A percentage over 100% is a slip for a higher-is-better metric (at most the whole metric)."""
+    text = getattr(max_drop, "text", "")
+    if text and higher_is_better and max_drop > 1:
+        raise UsageError(f"{text!r} is over 100%: a relative drop is at most the whole metric (a lower-is-better "
+                         "metric, --lower-is-better, may rise by more)")
 
 
 def _executor_spec(text: str) -> str:
@@ -127,14 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a built-in experiment (see `autopolicy list`), a .py file, or a .keras model with "
                            "--eval and --sample (default: digits_mlp)")
     tune.add_argument("--eval", default=None, metavar="MODULE:FUNCTION",
-                      help="for a .keras model: eval(model) -> float, higher is better (module or file.py)")
+                      help="for a .keras model: eval(model) -> float, higher is better unless --lower-is-better "
+                           "(module or file.py)")
     tune.add_argument("--sample", default=None, metavar="SAMPLE",
                       help="for a .keras model: a realistic input batch, a .npy/.npz file or MODULE:FUNCTION")
     tune.add_argument("--test", default=None, metavar="MODULE:FUNCTION",
                       help="for a .keras model: test(model) -> float on held-out data, reported only")
     tune.add_argument("--max-drop", type=_fraction, default=None,
-                      help="allowed metric drop, a fraction or percentage (default: the experiment's, usually 1%%)")
+                      help="how much worse than float32 the metric may get, a fraction or percentage: its drop, or "
+                           "its rise for a lower-is-better metric (perplexity: 2%% allows up to 1.02x float32's) "
+                           "(default: the experiment's, usually 1%%)")
     tune.add_argument("--absolute", action="store_true", help="--max-drop is absolute, not relative to float32")
+    direction = tune.add_mutually_exclusive_group()
+    direction.add_argument("--lower-is-better", dest="higher_is_better", action="store_false", default=None,
+                           help="the metric is lower-is-better (perplexity, loss): --max-drop is the allowed rise "
+                                "(default: the experiment's direction; higher is better for --eval)")
+    direction.add_argument("--higher-is-better", dest="higher_is_better", action="store_true", default=None,
+                           help="the metric is higher-is-better (accuracy): --max-drop is the allowed drop")
     tune.add_argument("--candidates", type=_candidates, default=None,
                       help="comma-separated policies (default: the experiment's, else "
                            "autopolicy.search.DEFAULT_CANDIDATES)")
@@ -232,7 +255,10 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
     exp = _tune_experiment(args)
     max_drop = exp.max_drop if args.max_drop is None else args.max_drop
     relative = exp.relative and not args.absolute
-    _checks.check_budget(max_drop, relative)
+    higher_is_better = exp.higher_is_better if args.higher_is_better is None else args.higher_is_better
+    if relative:
+        _check_percentage(max_drop, higher_is_better)
+    _checks.check_budget(max_drop, relative, higher_is_better)
     shared = _shared_cache(args, out)
     with contextlib.ExitStack() as stack:
         executor = None
@@ -248,6 +274,7 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
             cache_dir=os.path.join(out, "cache"), progress=not args.no_progress,
             calibration_inputs=exp.calibration_inputs, test_fn=exp.test_fn, repeats=args.repeats,
             profile_accuracy=args.profile_accuracy, shared_cache_dir=shared, executor=executor,
+            higher_is_better=higher_is_better,
         )
     result.summary["experiment"] = {"name": exp.name, "description": exp.description,
                                     "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:])}
@@ -288,10 +315,15 @@ def _shared_cache(args: argparse.Namespace, out: str) -> str | None:
 def _print_summary(s: dict, out: str) -> None:
     chosen = s["chosen"]
     print(f"device: {s['device']}")
-    print(f"float32 metric {s['budget']['baseline_metric']:.4f}; allowed drop {s['budget']['allowed_drop']:.4f}")
-    print(f"chosen map: {len(chosen['policies'])} of {s['layers']} layers changed; metric {chosen['metric']:.4f}; "
+    name = (s.get("experiment") or {}).get("metric") or "metric"
+    print(_budget_line(s["budget"], name))
+    print(f"chosen map: {len(chosen['policies'])} of {s['layers']} layers changed; {name}: {chosen['metric']:.4f}; "
           f"{s['speedup_vs_float32']:.2f}x float32, {s['speedup_vs_best_uniform']:.2f}x best uniform "
           f"({s['best_uniform']})")
+    memory = s.get("memory") or {}
+    if memory.get("budget") is not None:
+        print(f"weights: {memory['chosen_nbytes']:,} bytes chosen, {memory['float32_nbytes']:,} in float32; "
+              f"memory budget {int(memory['budget']):,} (at least {memory['least_nbytes']:,} possible)")
     for path, policy in chosen["policies"].items():
         print(f"  {path}: {policy}")
     cache = s.get("cache") or {}
@@ -305,6 +337,23 @@ def _print_summary(s: dict, out: str) -> None:
         print(f"time: {s['wall_time_s']:.1f} s ({phases}); {costs['compilations']} XLA compilations "
               f"({costs['compile_cache_hits']} loaded from the compilation cache)")
     print(f"run directory: {out}")
+
+
+def _budget_line(budget: dict, name: str = "metric") -> str:
+    """``float32 perplexity: 23.4300 (lower is better); allowed rise 2% (0.4686): at most 23.8986``.
+
+    >>> _budget_line({"baseline_metric": 23.43, "higher_is_better": False, "allowed_drop": 0.4686,
+    ...               "max_drop": 0.02, "relative": True, "limit_metric": 23.8986}, "perplexity")
+    'float32 perplexity: 23.4300 (lower is better); allowed rise 2% (0.4686): at most 23.8986'
+    """
+    higher = budget.get("higher_is_better", True)
+    word, bound = ("drop", "at least") if higher else ("rise", "at most")
+    allowed = f"{budget['allowed_drop']:.4g}"
+    if budget.get("relative") and budget.get("max_drop") is not None:
+        allowed = f"{budget['max_drop'] * 100:g}% ({allowed})"
+    limit = budget.get("limit_metric", budget.get("min_metric"))
+    return (f"float32 {name}: {budget['baseline_metric']:.4f} ({'higher' if higher else 'lower'} is better); "
+            f"allowed {word} {allowed}: {bound} {limit:.4f}")
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -27,12 +27,15 @@ class Experiment:
     Attributes:
       name: The experiment's name.
       model: The trained (built, float) model.
-      eval_fn: ``eval_fn(model) -> float``, higher is better, on validation data.
+      eval_fn: ``eval_fn(model) -> float`` on validation data, in the direction
+        ``higher_is_better`` says.
       sample_input: A realistic input (or tuple of inputs) for timing.
       test_fn: Optional score on held-out test data (reported only).
       calibration_inputs: Batches for float8 calibration and output fidelity.
-      max_drop: Default allowed metric drop (relative unless ``relative`` is False).
+      max_drop: Default allowed worsening of the metric: a drop, or a rise when
+        ``higher_is_better`` is False (relative unless ``relative`` is False).
       relative: Whether ``max_drop`` is a fraction of the float32 metric.
+      higher_is_better: The metric's direction: False for perplexity or loss.
       candidates: Default candidate policies (None: ``autopolicy.search.DEFAULT_CANDIDATES``).
       metric_name: What ``eval_fn`` measures, for reports.
       description: One line for listings and reports.
@@ -47,6 +50,7 @@ class Experiment:
     max_drop: float = 0.01
     relative: bool = True
     candidates: Sequence[str] | None = None
+    higher_is_better: bool = True
     metric_name: str = "metric"
     description: str = ""
 
@@ -65,6 +69,9 @@ class Experiment:
             raise ValueError(f"Experiment.max_drop must be a number >= 0. Received: max_drop={self.max_drop!r}")
         if not isinstance(self.relative, bool):
             raise TypeError(f"Experiment.relative must be True or False. Received: relative={self.relative!r}")
+        if not isinstance(self.higher_is_better, bool):
+            raise TypeError(f"Experiment.higher_is_better must be True (accuracy) or False (perplexity, loss). "
+                            f"Received: higher_is_better={self.higher_is_better!r}")
         if isinstance(self.candidates, str):
             raise TypeError(f"Experiment.candidates must be a sequence of policy names, not one str. "
                             f"Received: candidates={self.candidates!r}; write ({self.candidates!r},)")

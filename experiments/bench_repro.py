@@ -32,7 +32,8 @@ from autopolicy.search.adapter import get_adapter
 def _tune(exp, repeats: int, progress: bool) -> search.TuneResult:
     with tempfile.TemporaryDirectory() as cache:
         return search.tune(exp.model, exp.eval_fn, exp.sample_input, candidates=exp.candidates or search.DEFAULT_CANDIDATES,
-                           max_drop=exp.max_drop, relative=exp.relative, cache_dir=cache, progress=progress,
+                           max_drop=exp.max_drop, relative=exp.relative, higher_is_better=exp.higher_is_better,
+                           cache_dir=cache, progress=progress,
                            calibration_inputs=exp.calibration_inputs, repeats=repeats)
 
 

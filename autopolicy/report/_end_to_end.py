@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter
 
 from autopolicy.report import _plot
 
-__all__ = ["pareto_frontier", "configurations", "measured_frontier"]
+__all__ = ["pareto_frontier", "configurations", "measured_frontier", "direction"]
 
 _STAR = {"marker": "*", "markersize": 19, "color": "#ffd21f", "markeredgecolor": "black",
          "markeredgewidth": 0.9, "linestyle": "none", "zorder": 6}
@@ -31,6 +32,13 @@ def _ms(seconds: Any) -> float:
 def _number(value: Any) -> float:
     """``value`` as a float, NaN when it is missing (null in the summary) or not finite."""
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
+
+
+def direction(summary: dict[str, Any]) -> float:
+    """1 for a higher-is-better metric (and runs saved before metrics had a direction), -1 for a
+    lower-is-better one: ``direction * metric`` grows as the metric gets better."""
+    budget = summary.get("budget") if isinstance(summary.get("budget"), dict) else {}
+    return 1.0 if budget.get("higher_is_better", True) else -1.0
 
 
 def configurations(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -58,9 +66,15 @@ def _log_if_wide(ax, axis: str, values: list[float], wide: float = _plot.LOG_RAN
         _plot.log_axis(ax.xaxis if axis == "x" else ax.yaxis)
 
 
-def _metric_limits(budget: dict[str, Any], metrics: list[float]) -> tuple[float, float]:
-    """A metric axis around the budget: values far below it are drawn on the bottom edge."""
-    base, floor_at = _number(budget.get("baseline_metric")), _number(budget.get("min_metric"))
+def _limit(budget: dict[str, Any]) -> float:
+    """The worst metric within budget (``min_metric`` of a run saved before ``limit_metric``)."""
+    return _number(budget.get("limit_metric", budget.get("min_metric")))
+
+
+def _metric_limits(budget: dict[str, Any], metrics: list[float], sign: float = 1.0) -> tuple[float, float]:
+    """A metric axis around the budget, in ``sign * metric`` (up is better): values far worse
+    than it are drawn on the bottom edge."""
+    base, floor_at = sign * _number(budget.get("baseline_metric")), sign * _limit(budget)
     known = [m for m in metrics + [base, floor_at] if math.isfinite(m)] or [0.0, 1.0]
     allowed = _number(budget.get("allowed_drop"))
     magnitude = abs(base) if math.isfinite(base) else 1.0
@@ -105,26 +119,27 @@ def measured_frontier(run: dict[str, Any]) -> list[dict[str, Any]]:
                   for n, m, t in zip(rows["name"], rows["metric"], rows["measured_latency_s"])]
         return sorted((p for p in points if math.isfinite(p["measured_ms"]) and math.isfinite(p["metric"])),
                       key=lambda p: p["measured_ms"])
+    sign = direction(run["summary"])
     scored = sorted((c for c in configurations(run["summary"])
                      if math.isfinite(c["measured_ms"]) and math.isfinite(c["metric"])),
-                    key=lambda c: (c["measured_ms"], -c["metric"]))
+                    key=lambda c: (c["measured_ms"], -sign * c["metric"]))
     out, best = [], -math.inf
     for c in scored:
-        if c["metric"] > best:
+        if sign * c["metric"] > best:
             out.append({"name": c["name"], "measured_ms": c["measured_ms"], "metric": c["metric"]})
-            best = c["metric"]
+            best = sign * c["metric"]
     return out
 
 
-def _frontier_lines(ax, run: dict[str, Any], configs: list[dict], right: float) -> tuple[list, list]:
+def _frontier_lines(ax, run: dict[str, Any], configs: list[dict], right: float, sign: float = 1.0) -> tuple[list, list]:
     """The predicted frontier (grey, when the run has one) and the measured frontier (green, its
-    points ringed; a point no configuration marks gets its own marker). Returns the legend
-    handles and the labels of points that are not configurations."""
+    points ringed; a point no configuration marks gets its own marker), drawn at ``sign *
+    metric``. Returns the legend handles and the labels of points that are not configurations."""
     handles, labels = [], []
     predicted = _predicted_rows(run["frontier"])
     if not predicted.empty:
         x = predicted["predicted_latency_s"].to_numpy(dtype=float) * 1e3
-        y = predicted["predicted_metric"].to_numpy(dtype=float)
+        y = sign * predicted["predicted_metric"].to_numpy(dtype=float)
         # Dashed and above the measured line, so it stays visible where the two coincide.
         _step(ax, x, y, right, color=_PREDICTED, linewidth=1.3, linestyle="--", zorder=3)
         ax.plot(x, y, linestyle="none", color=_PREDICTED, marker="o", markersize=3.5, zorder=3)
@@ -133,38 +148,41 @@ def _frontier_lines(ax, run: dict[str, Any], configs: list[dict], right: float) 
     measured = measured_frontier(run)
     if measured:
         x = np.array([p["measured_ms"] for p in measured])
-        y = np.array([p["metric"] for p in measured])
+        y = sign * np.array([p["metric"] for p in measured])
         _step(ax, x, y, right, color=_MEASURED, linewidth=2.2, zorder=2)
         ax.plot(x, y, linestyle="none", marker="o", markersize=15, markerfacecolor="none",
                 markeredgecolor=_MEASURED, markeredgewidth=1.8, zorder=7)
         known = {c["name"] for c in configs}
         for p in measured:
             if p["name"] not in known:
-                ax.plot([p["measured_ms"]], [p["metric"]], marker="o", markersize=6, color=_MEASURED, zorder=5)
-                labels.append((p["measured_ms"], p["metric"], p["name"]))
+                ax.plot([p["measured_ms"]], [sign * p["metric"]], marker="o", markersize=6, color=_MEASURED, zorder=5)
+                labels.append((p["measured_ms"], sign * p["metric"], p["name"]))
         handles.append(Line2D([], [], color=_MEASURED, linewidth=2.2, marker="o", markersize=11,
                               markerfacecolor="none", markeredgewidth=1.8,
                               label="measured frontier (timed end to end; ringed)"))
     return handles, labels
 
 
-def _budget_lines(ax, budget: dict[str, Any]) -> list:
+def _budget_lines(ax, budget: dict[str, Any], sign: float = 1.0) -> list:
     handles = []
-    for key, style, label in (("min_metric", {"color": "#c0392b", "linestyle": "--"}, "budget: min metric"),
-                              ("baseline_metric", {"color": "#4c72b0", "linestyle": ":"}, "float32 metric")):
-        value = _number(budget.get(key))
+    bound = "budget: min metric" if sign > 0 else "budget: max metric"
+    for value, style, label in ((_limit(budget), {"color": "#c0392b", "linestyle": "--"}, bound),
+                                (_number(budget.get("baseline_metric")), {"color": "#4c72b0", "linestyle": ":"},
+                                 "float32 metric")):
         if math.isfinite(value):
-            ax.axhline(value, linewidth=1.3, zorder=1, **style)
+            ax.axhline(sign * value, linewidth=1.3, zorder=1, **style)
             handles.append(Line2D([], [], linewidth=1.3, label=f"{label} = {value:.4g}", **style))
     return handles
 
 
-def _plot_points(ax, configs: list[dict], bottom: float, top: float) -> list[tuple[float, float, str]]:
-    """Markers at (measured latency, verified metric); below the axis: a triangle on its edge."""
+def _plot_points(ax, configs: list[dict], bottom: float, top: float,
+                 sign: float = 1.0) -> list[tuple[float, float, str]]:
+    """Markers at (measured latency, ``sign *`` verified metric); below the axis: a triangle on its edge."""
     colors, labels = _plot.policy_colors(c["policy"] for c in configs if c["policy"]), []
     edge = bottom + 0.03 * (top - bottom)
     for c in configs:
-        x, y = c["measured_ms"], c["metric"]
+        x, metric = c["measured_ms"], c["metric"]
+        y = sign * metric
         if not (math.isfinite(x) and math.isfinite(y)):
             continue
         off_scale = y < bottom
@@ -175,7 +193,7 @@ def _plot_points(ax, configs: list[dict], bottom: float, top: float) -> list[tup
         ax.plot([x], [edge if off_scale else y], markeredgecolor="black", markeredgewidth=0.6, **style)
         if c["chosen"]:
             ax.plot([x], [edge if off_scale else y], **_STAR)
-        text = f"{c['label']} ({y:.3g}, off scale)" if off_scale else c["label"]
+        text = f"{c['label']} ({metric:.3g}, off scale)" if off_scale else c["label"]
         labels.append((x, edge if off_scale else y, text))
     return labels
 
@@ -211,7 +229,8 @@ def pareto_frontier(run: dict[str, Any], path: str | os.PathLike) -> str:
     to end that no other beats, ringed, in every run), the predicted frontier when the run has
     one (the solver's, a grey step line), the uniform policies (measured latency, verified
     metric; a dotted line where the metric was never evaluated), the verified maps, the chosen
-    one as a star, and the budget as a horizontal line.
+    one as a star, and the budget as a horizontal line. Better is up: a lower-is-better metric
+    is drawn on an axis that grows downwards.
 
     Args:
       run: A loaded run.
@@ -226,11 +245,14 @@ def pareto_frontier(run: dict[str, Any], path: str | os.PathLike) -> str:
     ax = fig.add_subplot()
     xs = [c["measured_ms"] for c in configs] + [p["measured_ms"] for p in measured]
     xs += list(predicted["predicted_latency_s"].to_numpy(dtype=float) * 1e3)
-    handles, extra_labels = _frontier_lines(ax, run, configs, max((x for x in xs if math.isfinite(x)), default=0.0))
+    sign = direction(summary)
+    handles, extra_labels = _frontier_lines(ax, run, configs, max((x for x in xs if math.isfinite(x)), default=0.0),
+                                            sign)
     metrics = [c["metric"] for c in configs] + [p["metric"] for p in measured]
-    bottom, top = _metric_limits(summary["budget"], metrics + list(predicted["predicted_metric"].to_numpy(dtype=float)))
-    handles += _budget_lines(ax, summary["budget"])
-    labels = _plot_points(ax, configs, bottom, top) + extra_labels
+    metrics += list(predicted["predicted_metric"].to_numpy(dtype=float))
+    bottom, top = _metric_limits(summary["budget"], [sign * m for m in metrics], sign)
+    handles += _budget_lines(ax, summary["budget"], sign)
+    labels = _plot_points(ax, configs, bottom, top, sign) + extra_labels
     handles += _not_evaluated(ax, configs) + _legend_markers(
         configs, "uniform policy (measured latency, verified metric; colour: policy)")
     _log_if_wide(ax, "x", xs)
@@ -238,7 +260,9 @@ def pareto_frontier(run: dict[str, Any], path: str | os.PathLike) -> str:
     ax.set_xlim(*ax.get_xlim())  # freeze the limits before placing labels in screen space
     ax.grid(color="#eeeeee")
     ax.set_xlabel("end-to-end latency (ms): measured; predicted for the grey frontier")
-    ax.set_ylabel("metric (higher is better)")
+    if sign < 0:  # drawn as -metric so that up is better: the ticks read the metric itself
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{-v:.4g}"))
+    ax.set_ylabel("metric (higher is better)" if sign > 0 else "metric (lower is better; axis grows downwards)")
     _plot.place_labels(ax, labels, avoid=list(ax.texts))  # clear of the "not evaluated" notes
     fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
     ax.set_title(f"Latency vs metric: measured and predicted Pareto frontiers, uniform policies, chosen map\n"

@@ -20,7 +20,8 @@ __all__ = ["noise_alert", "method", "decisions", "latency_model", "noise", "medi
 
 _ACCURACY = {
     "measured": "each layer changed alone and the whole model scored (eval_fn)",
-    "estimated": "estimated from each layer's output error, scaled to the fastest map's observed drop",
+    "estimated": ("estimated from each layer's output error, scaled to the fastest map's observed drop (its rise, "
+                  "for a lower-is-better metric)"),
     "skipped": "not needed: the fastest assignment met the budget",
 }
 

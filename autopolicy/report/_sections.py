@@ -13,7 +13,8 @@ from autopolicy.report._document import Block, Facts, Heading, Image, Paragraph,
 __all__ = ["report_blocks", "FIGURE_CAPTIONS"]
 
 FIGURE_CAPTIONS = {
-    "sensitivity": "Sensitivity: accuracy cost (metric drop) of each layer under each policy",
+    "sensitivity": "Sensitivity: accuracy cost (metric drop, or rise when lower is better) of each layer under each "
+                   "policy",
     "layer_latency": "Layer latency under each policy",
     "pareto_frontier": "End-to-end latency vs metric: measured and predicted frontiers, uniform policies, chosen "
                        "map, budget",
@@ -64,11 +65,31 @@ def _speed(summary: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def _higher(budget: Mapping[str, Any]) -> bool:
+    """The metric's direction (runs saved before it was recorded: higher is better)."""
+    return budget.get("higher_is_better", True) is not False
+
+
+def _word(budget: Mapping[str, Any]) -> str:
+    return "drop" if _higher(budget) else "rise"
+
+
+def _allowed(budget: Mapping[str, Any], spec: str = ".3g") -> str:
+    """``0.4686`` or, for a relative budget, ``2% (0.4686)``."""
+    allowed = _num(budget.get("allowed_drop"), spec)
+    max_drop = budget.get("max_drop")
+    if budget.get("relative") and isinstance(max_drop, (int, float)) and math.isfinite(max_drop):
+        return f"{max_drop * 100:g}% of float32 ({allowed})"
+    return allowed
+
+
 def _metric(summary: dict[str, Any]) -> list[tuple[str, str]]:
     chosen, budget, test = summary["chosen"], summary["budget"], summary.get("test")
-    drop, allowed = _num(chosen.get("drop"), ".3g"), _num(budget.get("allowed_drop"), ".3g")
-    items = [("Metric", f"{_num(chosen.get('metric'))} (float32 {_num(budget.get('baseline_metric'))}; "
-                        f"drop {drop}, allowed {allowed}; meets budget: {_yes_no(chosen.get('meets_budget'))})")]
+    word, drop = _word(budget), _num(chosen.get("drop"), ".3g")
+    direction = "" if _higher(budget) else "lower is better; "
+    items = [("Metric", f"{_num(chosen.get('metric'))} ({direction}float32 {_num(budget.get('baseline_metric'))}; "
+                        f"{word} {drop}, allowed {word} {_allowed(budget)}; meets budget: "
+                        f"{_yes_no(chosen.get('meets_budget'))})")]
     if isinstance(test, dict):
         items.append(("Test metric", f"{_num(test.get('chosen'))} chosen vs {_num(test.get('float32'))} float32"))
     return items
@@ -77,13 +98,15 @@ def _metric(summary: dict[str, Any]) -> list[tuple[str, str]]:
 def _costs(run: dict[str, Any]) -> list[tuple[str, str]]:
     summary, profile = run["summary"], run["profile"]
     float32_bytes = int(profile.loc[profile["policy"] == tables.FLOAT32, "nbytes"].sum())
+    memory = summary["budget"].get("memory_budget")
+    within = "" if memory is None else f"; memory budget {_num(memory, ',')}"
     evaluations, cache = summary.get("evaluations") or {}, summary.get("cache") or {}
     profile_note = (" (per-layer accuracy costs not needed: the fastest assignment met the budget; "
                     "tune with --profile-accuracy always to measure them)"
                     if summary.get("accuracy_profile") == "skipped" else "")
     return [
         ("Weight bytes", f"{_num(summary['chosen'].get('nbytes'), ',')} chosen vs "
-                         f"{_num(float32_bytes, ',')} in float32"),
+                         f"{_num(float32_bytes, ',')} in float32{within}"),
         ("Evaluations", f"{evaluations.get('profile', MISSING)} to profile, {evaluations.get('verify', MISSING)} "
                         f"to verify, {evaluations.get('total', MISSING)} in all{profile_note}"),
         ("Measurement cache", f"{cache.get('hits', MISSING)} hits, {cache.get('misses', MISSING)} misses"),
@@ -114,14 +137,29 @@ def _hardware(summary: dict[str, Any]) -> list[Block]:
     return [Heading("Device and versions"), Facts(items)]
 
 
+def _memory(summary: dict[str, Any]) -> str:
+    """The memory budget beside the chosen map's bytes, float32's and the least achievable."""
+    memory = summary["budget"].get("memory_budget")
+    if memory is None:
+        return "none"
+    figures = summary.get("memory") if isinstance(summary.get("memory"), dict) else {}
+    chosen = figures.get("chosen_nbytes", summary["chosen"].get("nbytes"))
+    parts = [f"chosen map {_num(chosen, ',')}", f"float32 {_num(figures.get('float32_nbytes'), ',')}"]
+    if figures.get("least_nbytes") is not None:
+        parts.append(f"least achievable {_num(figures.get('least_nbytes'), ',')}")
+    return f"{_num(memory, ',', ' bytes')} of tuned weights ({', '.join(parts)})"
+
+
 def _budget(summary: dict[str, Any]) -> list[Block]:
     budget = summary["budget"]
-    memory = budget.get("memory_budget")
+    higher, word = _higher(budget), _word(budget)
+    limit = budget.get("limit_metric", budget.get("min_metric" if higher else "max_metric"))
     return [Heading("Budget"), Facts([
-        ("Baseline (float32) metric", _num(budget.get("baseline_metric"))),
-        ("Allowed drop", _num(budget.get("allowed_drop"), ".4g")),
-        ("Minimum metric", _num(budget.get("min_metric"))),
-        ("Memory budget", "none" if memory is None else _num(memory, ",", " bytes")),
+        ("Baseline (float32) metric", f"{_num(budget.get('baseline_metric'))} "
+                                      f"({'higher' if higher else 'lower'} is better)"),
+        (f"Allowed {word}", _allowed(budget, ".4g")),
+        ("Minimum metric" if higher else "Maximum metric", _num(limit)),
+        ("Memory budget", _memory(summary)),
         ("Candidates", ", ".join(summary.get("candidates") or []) or MISSING),
     ])]
 
@@ -159,8 +197,9 @@ def _tables(run: dict[str, Any]) -> list[Block]:
         Table(tables.overview_table(run)),
         *_evidence.latency_model(run),
         Heading("Per-layer measurements"),
-        Paragraph("Latency in ms (median) under each policy; cost: the metric drop with only that layer "
-                  "changed (— where it was not measured); bytes: the layer's weights; kernel (where named): "
+        Paragraph(f"Latency in ms (median) under each policy; cost: the metric "
+                  f"{_word(run['summary']['budget'])} with only that layer changed (— where it was not "
+                  "measured); bytes: the layer's weights; kernel (where named): "
                   "the kernel the chosen policy runs, where its mode has several."),
         Table(tables.layer_table(run)),
     ]

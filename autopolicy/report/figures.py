@@ -94,7 +94,8 @@ def _cell_grid(ax, layers: list[str], policies: list[str]) -> None:
 
 
 def sensitivity_heatmap(run: dict[str, Any], path: str | os.PathLike) -> str:
-    """Layers x policies coloured by accuracy cost (metric drop with only that layer changed),
+    """Layers x policies coloured by accuracy cost (metric drop with only that layer changed; its
+    rise for a lower-is-better metric),
     beside the same grid coloured by the model output's SQNR where layers were scored.
 
     Cells without a measured cost are grey and hatched by reason (skipped, disqualified),
@@ -111,6 +112,7 @@ def sensitivity_heatmap(run: dict[str, Any], path: str | os.PathLike) -> str:
     cost, status = pivot(run, "accuracy_cost"), pivot(run, "status")
     layers, policies = list(cost.index), list(cost.columns)
     allowed = run["summary"]["budget"].get("allowed_drop") or 0.0
+    word = "drop" if run["summary"]["budget"].get("higher_is_better", True) is not False else "rise"
     values = cost.to_numpy(dtype=float)
     finite = values[np.isfinite(values)]
     vmax = max(float(finite.max()) if finite.size else 0.0, allowed, 1e-12)
@@ -124,10 +126,10 @@ def sensitivity_heatmap(run: dict[str, Any], path: str | os.PathLike) -> str:
     if values.size <= 600:
         _annotate_costs(ax, values, status, vmax)
     _cell_grid(ax, layers, policies)
-    bar = fig.colorbar(image, ax=ax, label="accuracy cost (metric drop vs float32)", shrink=0.9)
+    bar = fig.colorbar(image, ax=ax, label=f"accuracy cost (metric {word} vs float32)", shrink=0.9)
     if allowed:
         bar.ax.axhline(allowed, color="black", linestyle="--", linewidth=1.2)
-        bar.ax.text(1.6, allowed, "allowed\ndrop", transform=bar.ax.get_yaxis_transform(), fontsize=7, va="center")
+        bar.ax.text(1.6, allowed, f"allowed\n{word}", transform=bar.ax.get_yaxis_transform(), fontsize=7, va="center")
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 2), fontsize=8, frameon=False)
     ax.set_title(f"Sensitivity: accuracy cost per layer and policy\n{_plot.device_title(run['summary'])}",
                  fontsize=10)

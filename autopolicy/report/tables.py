@@ -189,14 +189,18 @@ def overview_table(run: dict[str, Any]) -> pd.DataFrame:
       Columns :data:`OVERVIEW_COLUMNS`: latencies in ms (predicted: the sum of isolated layer
       latencies and casts; calibrated: the latency model fitted end to end; measured: the
       median of paired rounds), the speed-up over float32 as :func:`speedup_text` writes it,
-      metric and drop (None where the run never evaluated that configuration; its ``meets
+      metric and drop (named "rise" for a lower-is-better metric; None where the run never
+      evaluated that configuration; its ``meets
       budget`` reads "not evaluated"). Figures an older run did not record are None.
     """
     summary = run["summary"]
     float32_s = summary["float32"].get("measured_latency_s")
     chosen = summary["chosen"].get("name", "")
     rows = [_overview_row(label, entry, float32_s, chosen) for label, entry in entries(run)]
-    return pd.DataFrame(rows, columns=OVERVIEW_COLUMNS)
+    frame = pd.DataFrame(rows, columns=OVERVIEW_COLUMNS)
+    if summary.get("budget", {}).get("higher_is_better", True) is False:
+        frame = frame.rename(columns={"drop": "rise"})  # the worsening of a lower-is-better metric
+    return frame
 
 
 def _error_pct(predicted: float | None, measured: float | None) -> float | None:

@@ -18,6 +18,7 @@ __all__ = [
     "MAX_ROUNDS",
     "check_arguments",
     "check_budget",
+    "allowed_worsening",
     "check_decision",
     "check_metric",
     "check_sample_input",
@@ -98,29 +99,68 @@ def check_decision(min_speedup: Any, confirm_seconds: Any) -> None:
         raise ValueError(f"confirm_seconds must be a finite number >= 0. Received: confirm_seconds={confirm_seconds!r}")
 
 
-def check_budget(max_drop: Any, relative: Any) -> None:
-    """Checks that ``max_drop`` makes sense as the kind of drop ``relative`` says it is.
+def check_budget(max_drop: Any, relative: Any, higher_is_better: Any = True) -> None:
+    """Checks that ``max_drop`` makes sense as the kind of change ``relative`` and
+    ``higher_is_better`` say it is.
 
-    A relative drop is a fraction of the float32 metric: above 1 (``--max-drop 150%``) it allows
-    more than the whole metric, surely a slip for 1.5%.
+    A relative drop of a higher-is-better metric is a fraction of the float32 metric: above 1
+    (``--max-drop 150%``) it allows more than the whole metric, surely a slip for 1.5%. A
+    lower-is-better metric (perplexity, loss) has no ceiling, so a relative rise above 1 (the
+    perplexity may double: ``max_drop=1.0``) is accepted.
 
     Raises:
-      TypeError: if ``relative`` is not a bool.
-      ValueError: if ``relative`` and ``max_drop`` > 1.
+      TypeError: if ``relative`` or ``higher_is_better`` is not a bool.
+      ValueError: if ``relative``, ``higher_is_better`` and ``max_drop`` > 1.
 
     >>> check_budget(1.5, relative=True)
     Traceback (most recent call last):
     ...
     ValueError: A relative max_drop is a fraction of the float32 metric, at most 1 (100%).
     Received: max_drop=1.5 (150%); for an absolute drop pass relative=False (--absolute).
+    >>> check_budget(1.5, relative=True, higher_is_better=False)  # perplexity up to 2.5x float32's
     """
     if not isinstance(relative, (bool, np.bool_)):
         raise TypeError(f"relative must be True or False. Received: relative={relative!r}")
-    if relative and _is_number(max_drop) and max_drop > 1:
+    if not isinstance(higher_is_better, (bool, np.bool_)):
+        raise TypeError(f"higher_is_better must be True (accuracy) or False (perplexity, loss). "
+                        f"Received: higher_is_better={higher_is_better!r}")
+    if relative and higher_is_better and _is_number(max_drop) and max_drop > 1:
         raise ValueError(
             f"A relative max_drop is a fraction of the float32 metric, at most 1 (100%). Received: "
             f"max_drop={max_drop!r} ({max_drop * 100:g}%); for an absolute drop pass relative=False (--absolute)."
         )
+
+
+def allowed_worsening(baseline: float, max_drop: float, relative: bool, higher_is_better: bool = True) -> float:
+    """The metric's allowed drop (higher is better) or rise (lower is better) from ``baseline``.
+
+    Relative budgets are fractions of the float32 metric: of its magnitude when higher is
+    better (as always), of the metric itself when lower is better ("at most 2% above float32's
+    perplexity"), which must then be positive: a rise relative to a zero or negative perplexity
+    or loss has no meaning.
+
+    Raises:
+      ValueError: for a relative budget on a lower-is-better metric whose float32 value is not
+        positive, naming the value.
+
+    >>> allowed_worsening(23.43, 0.02, True, higher_is_better=False)
+    0.4686
+    >>> allowed_worsening(-23.43, 0.02, True, higher_is_better=False)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: A relative max_drop of a lower-is-better metric ... Received: eval_fn(float32 model)=-23.43 ...
+    """
+    if not relative:
+        return float(max_drop)
+    if higher_is_better:
+        return max_drop * abs(baseline)
+    if not baseline > 0:
+        raise ValueError(
+            f"A relative max_drop of a lower-is-better metric is a fraction of its float32 value, which must be "
+            f"> 0. Received: eval_fn(float32 model)={baseline!r} with max_drop={max_drop!r}, relative=True, "
+            "higher_is_better=False; pass relative=False (--absolute) for an absolute rise, or check eval_fn's "
+            "direction.")
+    return max_drop * baseline
 
 
 def check_metric(value: Any, what: str, finite: bool = True, fn_name: str = "eval_fn") -> float:

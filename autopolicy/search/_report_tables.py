@@ -56,18 +56,18 @@ def profile_frame(latency: LatencyProfile, accuracy: AccuracyProfile, chosen: Co
     return pd.DataFrame(rows)
 
 
-def _measured_frontier(configurations: Sequence[Configuration]) -> list[Configuration]:
-    """The measured configurations no other beats on both metric and measured latency."""
+def _measured_frontier(configurations: Sequence[Configuration], budget: Budget) -> list[Configuration]:
+    """The measured configurations no other beats on both metric (in its direction) and measured latency."""
     scored = [c for c in configurations if c.metric is not None and c.measured_latency_s is not None
               and math.isfinite(c.metric) and not c.disqualified]
     unique = {}
-    for c in sorted(scored, key=lambda c: (c.measured_latency_s, -c.metric)):
+    for c in sorted(scored, key=lambda c: (c.measured_latency_s, -budget.goodness(c.metric))):
         unique.setdefault(json.dumps(c.changed, sort_keys=True), c)
     out, best = [], -math.inf
     for c in unique.values():  # fastest first: keep those that improve the metric
-        if c.metric > best:
+        if budget.goodness(c.metric) > best:
             out.append(c)
-            best = c.metric
+            best = budget.goodness(c.metric)
     return out
 
 
@@ -78,10 +78,10 @@ def frontier_frame(latency: LatencyProfile, accuracy: AccuracyProfile, budget: B
     ``source="predicted"`` rows are the solver's fastest assignment for every accuracy cost
     (present when the per-layer costs were measured)."""
     rows = []
-    for c in _measured_frontier(configurations):
+    for c in _measured_frontier(configurations, budget):
         rows.append({
             "source": "measured", "name": c.name, "predicted_accuracy_cost": c.predicted_accuracy_cost,
-            "predicted_metric": (budget.baseline_metric - c.predicted_accuracy_cost
+            "predicted_metric": (budget.metric_after(c.predicted_accuracy_cost)
                                  if c.predicted_accuracy_cost is not None else math.nan),
             "predicted_latency_s": c.calibrated_latency_s if c.calibrated_latency_s is not None else c.predicted_latency_s,
             "metric": c.metric, "measured_latency_s": c.measured_latency_s, "nbytes": latency.nbytes(c.assignment),
@@ -95,7 +95,7 @@ def frontier_frame(latency: LatencyProfile, accuracy: AccuracyProfile, budget: B
             rows.append({
                 "source": "predicted", "name": "",
                 "predicted_accuracy_cost": solution.accuracy_cost,
-                "predicted_metric": budget.baseline_metric - solution.accuracy_cost,
+                "predicted_metric": budget.metric_after(solution.accuracy_cost),
                 "predicted_latency_s": solution.latency,
                 "metric": math.nan, "measured_latency_s": math.nan,
                 "nbytes": solution.nbytes,
@@ -107,13 +107,13 @@ def frontier_frame(latency: LatencyProfile, accuracy: AccuracyProfile, budget: B
     return pd.DataFrame(rows, columns=FRONTIER_COLUMNS)
 
 
-def _entry(e: Configuration, baseline: float) -> dict[str, Any]:
+def _entry(e: Configuration, budget: Budget) -> dict[str, Any]:
     return {
         "predicted_latency_s": e.predicted_latency_s,
         "measured_latency_s": e.measured_latency_s,
         "measured_latency_cv": e.measured_latency_cv,
         "metric": e.metric,
-        "drop": None if e.metric is None else baseline - e.metric,
+        "drop": None if e.metric is None else budget.drop(e.metric),  # a rise when lower is better
         "meets_budget": e.meets_budget,
         "calibrated_latency_s": e.calibrated_latency_s,
         "speedup_vs_float32": e.speedup,
@@ -124,6 +124,19 @@ def _entry(e: Configuration, baseline: float) -> dict[str, Any]:
     }
 
 
+def _budget(budget: Budget) -> dict[str, Any]:
+    """The budget as the summary states it. ``allowed_drop`` is read in the metric's direction
+    (the rise allowed above float32's metric when lower is better); the worst metric allowed is
+    ``min_metric`` when higher is better, ``max_metric`` when lower is better, and
+    ``limit_metric`` in both."""
+    out = {"baseline_metric": budget.baseline_metric, "higher_is_better": budget.higher_is_better,
+           "allowed_drop": budget.allowed_drop, "max_drop": budget.max_drop, "relative": budget.relative,
+           "limit_metric": budget.limit_metric}
+    out["min_metric" if budget.higher_is_better else "max_metric"] = budget.limit_metric
+    out["memory_budget"] = budget.memory_budget
+    return out
+
+
 def summary(result: Any) -> dict[str, Any]:
     """The run's figures as JSON-able dicts (``summary.json``), from a ``TuneResult``."""
     budget, chosen = result.budget, result.chosen
@@ -132,16 +145,16 @@ def summary(result: Any) -> dict[str, Any]:
     float32 = uniforms[REFERENCE]
     best_uniform = min((e for e in uniforms.values() if e.meets_budget and not e.excluded),
                        key=lambda e: e.measured_latency_s, default=chosen)
-    baseline = budget.baseline_metric
     out: dict[str, Any] = {
         "device": hardware.describe(result.hardware),
         "hardware": result.hardware,
         "fingerprint": result.fingerprint,
-        "budget": {
-            "baseline_metric": baseline,
-            "allowed_drop": budget.allowed_drop,
-            "min_metric": budget.min_metric,
-            "memory_budget": budget.memory_budget,
+        "budget": _budget(budget),
+        "memory": {
+            "budget": budget.memory_budget,
+            "chosen_nbytes": result.latency.nbytes(chosen.assignment),
+            "float32_nbytes": result.latency.nbytes({}),
+            "least_nbytes": result.latency.least_nbytes(),
         },
         "candidates": list(result.candidates),
         "layers": len(result.latency.sites),
@@ -150,16 +163,16 @@ def summary(result: Any) -> dict[str, Any]:
             "policies": chosen.changed,
             "predicted_accuracy_cost": chosen.predicted_accuracy_cost,
             "nbytes": result.latency.nbytes(chosen.assignment),
-            **_entry(chosen, baseline),
+            **_entry(chosen, budget),
         },
-        "float32": _entry(float32, baseline),
+        "float32": _entry(float32, budget),
         "best_uniform": best_uniform.uniform,
         "speedup_vs_float32": float32.measured_latency_s / chosen.measured_latency_s,
         "speedup_vs_float32_interval": None if chosen.speedup_low is None else [chosen.speedup_low, chosen.speedup_high],
         "speedup_vs_best_uniform": best_uniform.measured_latency_s / chosen.measured_latency_s,
-        "uniform": {name: _entry(e, baseline) for name, e in uniforms.items()},
+        "uniform": {name: _entry(e, budget) for name, e in uniforms.items()},
         "maps": [{"round": e.round, "predicted_accuracy_cost": e.predicted_accuracy_cost, "exact": e.exact,
-                  **_entry(e, baseline)} for e in maps],
+                  **_entry(e, budget)} for e in maps],
         "evaluations": dict(result.evaluations),
         "accuracy_profile": result.accuracy.method,
         "accuracy_scale": result.accuracy.scale,

@@ -51,7 +51,7 @@ def _entry(ctx: Context, scored: dict) -> LayerAccuracy:
     proxy = scored.get("proxy", "")
     if not scored["finite"]:
         return LayerAccuracy(Status.NONFINITE_MODEL, proxy=proxy, **fields)
-    return LayerAccuracy(Status.MEASURED, cost=max(0.0, ctx.budget.baseline_metric - scored["metric"]), proxy=proxy,
+    return LayerAccuracy(Status.MEASURED, cost=max(0.0, ctx.budget.drop(scored["metric"])), proxy=proxy,
                          **fields)
 
 
@@ -146,12 +146,13 @@ def measure_accuracy(ctx: Context, latency: LatencyProfile, every_candidate: boo
 def estimate_accuracy(ctx: Context, latency: LatencyProfile, observed: Configuration) -> AccuracyProfile | None:
     """Per-layer costs estimated without scoring a layer: each candidate's relative output
     error at its layer (measured with its latency), times one scale fitted so that the changed
-    layers of ``observed`` (a map scored end to end) add up to its observed drop.
+    layers of ``observed`` (a map scored end to end) add up to its observed drop (a rise, for a
+    lower-is-better metric: every cost is read in the metric's direction).
 
     Returns None when no scale can be fitted (the observed map lost nothing, or its layers'
     errors are unknown or zero).
     """
-    drop = ctx.budget.baseline_metric - observed.metric if observed.metric is not None else math.nan
+    drop = ctx.budget.drop(observed.metric) if observed.metric is not None else math.nan
     errors = [latency.timing(p, n).output_error for p, n in observed.changed.items()]
     total = sum(errors)
     if not (math.isfinite(drop) and drop > 0 and math.isfinite(total) and total > 0):

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from autopolicy import policies
 from autopolicy.search import solver
-from autopolicy.search._defaults import REFERENCE, within_budget
+from autopolicy.search._defaults import REFERENCE, change_word, within_budget, worsening
 from autopolicy.search.adapter import TunableLayer
 
 __all__ = [
@@ -118,6 +118,10 @@ class LatencyProfile:
     def nbytes(self, assignment: Mapping[str, str]) -> int:
         return sum(self.timings[s.path][assignment.get(s.path, REFERENCE)].nbytes for s in self.sites)
 
+    def least_nbytes(self) -> int:
+        """The fewest weight bytes any assignment of the candidates takes (each layer on its smallest)."""
+        return sum(min(self.timings[s.path][p.name].nbytes for p in s.candidates) for s in self.sites)
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerAccuracy:
@@ -125,7 +129,7 @@ class LayerAccuracy:
 
     status: str
     metric: float = math.nan
-    cost: float = math.nan  # the metric's drop from float32, >= 0
+    cost: float = math.nan  # how much worse than float32 the metric is, in its direction (drop or rise), >= 0
     sqnr_db: float = math.nan
     kl: float = math.nan
     proxy: str = ""  # scored by a worker whose numerics differ from the target's: how they differ
@@ -142,7 +146,7 @@ class AccuracyProfile:
     entries: Mapping[str, Mapping[str, LayerAccuracy]]  # path -> policy name -> accuracy
     method: str  # "measured" (one layer at a time, end to end), "estimated" or "skipped"
     evaluations: int
-    scale: float | None = None  # estimated: metric drop per unit of relative output error
+    scale: float | None = None  # estimated: metric drop (or rise) per unit of relative output error
     remote: int = 0  # of ``evaluations``, those made by an executor's workers
 
     @property
@@ -156,18 +160,53 @@ class AccuracyProfile:
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """The accuracy budget: the float32 metric and the drop allowed from it."""
+    """The accuracy budget: the float32 metric, its direction, and how much worse it may get.
+
+    ``allowed_drop`` is read in the metric's direction: the drop allowed below float32's metric
+    when ``higher_is_better`` (accuracy), the rise allowed above it otherwise (perplexity, loss).
+    ``memory_budget`` caps the tuned layers' weight bytes (None: no cap).
+
+    >>> b = Budget(20.0, 0.4, higher_is_better=False)
+    >>> b.limit_metric, b.meets(20.3), b.meets(20.5), b.drop(19.0), b.metric_after(0.1)
+    (20.4, True, False, -1.0, 20.1)
+    """
 
     baseline_metric: float
     allowed_drop: float
     memory_budget: float | None = None
+    higher_is_better: bool = True
+    max_drop: float | None = None  # as given to tune (a fraction when ``relative``), for reports
+    relative: bool | None = None
+
+    @property
+    def limit_metric(self) -> float:
+        """The worst metric within budget: the least when higher is better, the most otherwise."""
+        return self.metric_after(self.allowed_drop)
 
     @property
     def min_metric(self) -> float:
-        return self.baseline_metric - self.allowed_drop
+        """The least metric within budget (-inf when lower is better: there is no floor)."""
+        return self.limit_metric if self.higher_is_better else -math.inf
+
+    @property
+    def word(self) -> str:
+        """"drop" or "rise": what a worsening of this metric is called."""
+        return change_word(self.higher_is_better)
+
+    def drop(self, metric: float) -> float:
+        """How much worse than float32 ``metric`` is, in the metric's direction (< 0: better)."""
+        return worsening(self.baseline_metric, metric, self.higher_is_better)
+
+    def metric_after(self, cost: float) -> float:
+        """The metric that an accuracy cost of ``cost`` (a worsening) leads to."""
+        return self.baseline_metric - cost if self.higher_is_better else self.baseline_metric + cost
+
+    def goodness(self, metric: float) -> float:
+        """``metric`` oriented so that larger is better (for sorting and frontiers)."""
+        return metric if self.higher_is_better else -metric
 
     def meets(self, metric: float | None) -> bool:
-        return within_budget(self.baseline_metric, metric, self.allowed_drop)
+        return within_budget(self.baseline_metric, metric, self.allowed_drop, self.higher_is_better)
 
 
 @dataclasses.dataclass(frozen=True)

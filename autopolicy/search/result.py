@@ -43,7 +43,7 @@ class TuneResult:
       configurations: Phase 4, every configuration verified or timed end to end (the solved
         maps, then the uniform policies).
       chosen: The winning configuration.
-      budget: The float32 metric and the allowed drop.
+      budget: The float32 metric, its direction and the allowed drop (a rise when lower is better).
       hardware, fingerprint: The machine the figures were measured on.
       candidates: The candidate policy names.
       evaluations: ``eval_fn`` calls by purpose (profile, verify, report_only, total).

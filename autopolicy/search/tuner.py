@@ -60,7 +60,7 @@ def _check_memory(latency: Any, memory_budget: float | None) -> None:
     """Refuses a memory budget that no assignment of the candidates can meet, naming the least."""
     if memory_budget is None:
         return
-    least = sum(min(latency.timing(s.path, p.name).nbytes for p in s.candidates) for s in latency.sites)
+    least = latency.least_nbytes()
     if least > memory_budget:
         raise ValueError(f"memory_budget={memory_budget!r} cannot be met: the tuned layers' weights take at least "
                          f"{least:,} bytes with these candidates (add a smaller one, such as int8_from_float32 or "
@@ -102,21 +102,33 @@ def tune(
     confirm_seconds: float = 30.0,
     shared_cache_dir: str | None = None,
     executor: concurrent.futures.Executor | None = None,
+    higher_is_better: bool = True,
 ) -> TuneResult:
     """Finds the fastest per-layer policies on this machine whose metric stays within budget.
 
     Args:
       model: A built float model: an ``autopolicy.nn`` model, a Keras 3 model (JAX backend), or
         any model with a registered adapter (:func:`autopolicy.search.register_adapter`).
-      eval_fn: ``eval_fn(model) -> float``, higher is better (accuracy on held-out data). Used
-        to score each layer's candidates and to verify the chosen map end to end.
+      eval_fn: ``eval_fn(model) -> float``: accuracy on held-out data, or with
+        ``higher_is_better=False`` a perplexity or loss. Used to score each layer's candidates
+        and to verify the chosen map end to end.
       sample_input: A realistic input (or tuple of inputs): layer shapes and timings use it.
       candidates: Policies to consider; float32 is always considered. Quantized ones only for
         layers with such a kernel.
-      max_drop: The allowed metric drop: a fraction of the float32 metric when ``relative``,
-        else absolute.
+      max_drop: How much worse than float32 the metric may get, in its direction: the allowed
+        drop when ``higher_is_better``, the allowed rise otherwise. A fraction of the float32
+        metric when ``relative`` (for a lower-is-better metric: at most ``(1 + max_drop)``
+        times float32's value, which must be positive), else absolute.
       relative: See ``max_drop``.
-      memory_budget: Optional cap on the bytes of the tuned layers' weights.
+      higher_is_better: The metric's direction: True for accuracy-like metrics, False for
+        perplexity, loss or error rate (lower is better). Every figure derived from the metric
+        (per-layer accuracy costs, the solver's budget, verification, decisions, the summary
+        and the report) reads ``max_drop`` in this direction; costs are always >= 0 (a
+        worsening).
+      memory_budget: Optional cap on the bytes of the tuned layers' weights: a hard constraint
+        of the solver, beside the accuracy budget (a configuration over it is never chosen,
+        float32 included); it must be at least the bytes of every layer on its smallest
+        candidate.
       cache_dir: Where measurements are cached; a rerun resumes from it.
       progress: Show a progress bar per phase.
       calibration_inputs: Batches (arrays or tuples) to calibrate float8 scales and to compare
@@ -161,7 +173,9 @@ def tune(
     Raises:
       ValueError: for an unknown candidate, a negative budget, an unbuilt or quantized model, a
         model without tunable layers, a float32 model that fails to build or run, an ``eval_fn``
-        that raises or returns a non-finite value on it, a ``memory_budget`` no assignment meets,
+        that raises or returns a non-finite value on it (a relative budget of a lower-is-better
+        metric also needs it positive), a ``memory_budget`` no assignment meets (naming the
+        least bytes achievable),
         or when no configuration meets both budgets. Other configurations that fail to build,
         run or be scored are excluded (the reason in their ``excluded`` field), not fatal.
       TypeError: for an ``eval_fn`` (or ``test_fn``) that returns something other than a real
@@ -170,7 +184,8 @@ def tune(
     start = time.perf_counter()
     with Costs() as costs, phase("checks"):  # what follows, less the phases marked inside
         candidate_policies = _checks.check_arguments(candidates, max_drop, memory_budget, repeats, max_rounds)
-        _checks.check_budget(max_drop, relative)
+        _checks.check_budget(max_drop, relative, higher_is_better)
+        higher_is_better = bool(higher_is_better)
         _checks.check_decision(min_speedup, confirm_seconds)
         if executor is not None and not callable(getattr(executor, "submit", None)):
             raise TypeError(f"executor must be a concurrent.futures.Executor (an object with submit(fn, *args) "
@@ -190,13 +205,14 @@ def tune(
         with MeasurementCache(cache_dir, _shared_file(shared_cache_dir)) as cache:
             reference_model, scorer = _reference(made, eval_fn, calibration)
             baseline = _baseline_metric(eval_fn, reference_model)
-            allowed = max_drop * abs(baseline) if relative else float(max_drop)
+            allowed = _checks.allowed_worsening(baseline, max_drop, relative, higher_is_better)
             ctx = Context(
                 adapter=made, scorer=scorer, cache=cache,
                 fingerprint=fingerprint,
                 digest=key(made.weights_digest(), digest_arrays(calibration),
                            getattr(eval_fn, "__qualname__", repr(eval_fn))),
-                budget=Budget(baseline, allowed, memory_budget), candidates=tuple(candidate_policies), sample_args=args,
+                budget=Budget(baseline, allowed, memory_budget, higher_is_better, float(max_drop), bool(relative)),
+                candidates=tuple(candidate_policies), sample_args=args,
                 repeats=repeats, max_rounds=max_rounds, min_speedup=min_speedup, confirm_seconds=confirm_seconds,
                 progress=progress,
                 reference_model=reference_model, executor=executor)

@@ -143,7 +143,7 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
         new.append(entry)
         if entry.meets_budget or not math.isfinite(entry.metric):
             break
-        drop = ctx.budget.baseline_metric - entry.metric
+        drop = ctx.budget.drop(entry.metric)  # in the metric's direction: a rise when lower is better
         changed = list(entry.changed.items())
         excess = drop - solution.accuracy_cost
         ratio = drop / solution.accuracy_cost if solution.accuracy_cost > 0 else 1.0
