@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import jax.numpy as jnp
+
 from autopolicy import policies
+from autopolicy.nn import _context
 from autopolicy.nn._module import Module
-from autopolicy.numerics import kernels, modes
+from autopolicy.numerics import kernels, modes, weight_only
 
 __all__ = ["QuantizableKernel"]
 
@@ -65,6 +68,14 @@ class QuantizableKernel(Module):
         """
         entry = modes.numerics_of(self._weights_mode)
         weights = {name: getattr(self, name) for name in ("kernel",) + entry.state}
+        if entry.is_calibrated is not None and not entry.is_calibrated(weights):
+            if _context.is_calibrating() and self.kernel_op == "einsum":
+                equation, x = args  # the float kernel is still there, read in the compute dtype
+                return jnp.einsum(equation, x, self.kernel).astype(compute_dtype)
+            raise weight_only.UncalibratedError(
+                f"{self.path!r} has the policy {self.dtype_policy.name!r}, whose weights come from calibration, and "
+                "was not calibrated: call autopolicy.nn.calibrate_weights(model, batches) first (it runs the "
+                "model on your batches and sets the quantized weights layer by layer).")
         chosen = self.__dict__.get("quantization_kernel")
         if chosen is not None:
             fn = kernels.kernel_spec(self._weights_mode, chosen).fn(self.kernel_op)
