@@ -170,3 +170,37 @@ def calibrate_weights(
     if report is not None:
         report.update(notes)
     return model
+
+
+def calibrated_layers(model: Module) -> tuple[str, ...]:
+    """Paths of the layers that hold calibrated GPTQ or AWQ weights."""
+    out = []
+    for path, layer in model.layers_by_path().items():
+        mode = layer.__dict__.get("_weights_mode")
+        entry = modes.numerics_of(mode) if mode is not None else None
+        if entry is not None and entry.is_calibrated is not None and entry.is_calibrated(
+                {name: getattr(layer, name) for name in entry.state}):
+            out.append(path)
+    return tuple(out)
+
+
+def with_calibrated_placeholders(model: Module, paths: Iterable[str]) -> Module:
+    """``model`` with the layers at ``paths`` in their calibrated form, filled with placeholders
+    (zeros) of the right shapes and dtypes: what loading a saved calibrated model fills in."""
+    layers = model.layers_by_path()
+    for path in paths:
+        if path not in layers:
+            raise ValueError(f"No layer {path!r} to hold calibrated weights; the model has {sorted(layers)}.")
+        layer = layers[path]
+        policy = layer.dtype_policy
+        if policy.quantization_mode not in ("gptq", "awq") or layer.kernel is None or layer.kernel.ndim != 2:
+            raise ValueError(f"{path!r} ({policy.name!r}) has no calibrated GPTQ/AWQ form.")
+        arrays = weight_only.placeholders(layer.kernel.shape, weight_only.layout_of(policy), layer.variable_dtype,
+                                          awq=policy.quantization_mode == "awq")
+        new = layer._copy(mutable=True)
+        for key, value in arrays.items():
+            object.__setattr__(new, key, value)
+        new._nontrainable = tuple(sorted(set(new._nontrainable) | set(arrays)))
+        new._freeze()
+        model = _replace(model, path, new)
+    return model
