@@ -378,3 +378,13 @@ def test_weight_only_modes_are_dense_only_and_not_search_candidates(mlp):
 
     adapter = NNAdapter(mlp, (correlated(8, 64, seed=0),), [correlated(8, 64, seed=0)])
     assert all({"gptq", "awq"}.isdisjoint(layer.modes) for layer in adapter.layers())
+
+
+def test_a_layer_can_leave_gptq_until_calibrated_but_not_after(mlp, calibrated):
+    back = mlp.quantize("gptq/4/16").with_dtype_policy("float32")
+    x = correlated(8, 64, seed=1)
+    np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(mlp(x)))
+    awq_instead = mlp.quantize("gptq/4/16").with_dtype_policy("awq/4/16_from_float32")
+    assert nn.uncalibrated_layers(awq_instead) == ("mlp/dense", "mlp/dense_1")
+    with pytest.raises(ValueError, match="lossy"):
+        calibrated["gptq/4/16"].with_dtype_policy("float32")

@@ -154,7 +154,10 @@ class QuantizableKernel(Module):
     def _leave_form(self, old_form: tuple[str, tuple]) -> None:
         """Drops the state of the old form, or refuses when the float kernel is gone."""
         entry = modes.numerics_of(old_form[0])
-        if entry.replaces_kernel:
+        # GPTQ/AWQ layers keep their float kernel until calibrated: until then they can leave.
+        awaiting = entry.is_calibrated is not None and not entry.is_calibrated(
+            {name: getattr(self, name) for name in entry.state})
+        if entry.replaces_kernel and not awaiting:
             layout = f" (layout {old_form[1]})" if old_form[1] else ""
             raise ValueError(
                 f"{self.path!r} holds {old_form[0]} weights{layout} and cannot become "
