@@ -2,14 +2,15 @@
 own Dense runs our weights to the same outputs), calibration, save/load.
 
 Errors are relative output errors ``norm(x W_hat - x W) / norm(x W)`` on held-out inputs drawn
-like the calibration inputs. Measured for a (256 -> 128) kernel, N(0, 1/K) weights, seeds 0-2:
+like the calibration inputs (other seeds). Measured with this file's helpers for a (256 -> 128)
+kernel (``kernel(256, 128, seed)``, seeds 0-2), 1024 calibration rows, 2048 held-out rows:
 
-- GPTQ on correlated inputs (rank-16 mixtures plus 10% noise), 1024 calibration rows: 4-bit
-  groups of 32 RTN 7.8-8.0% vs GPTQ 1.8-1.9% (act-order 1.4%); per channel RTN 10.9-11.2% vs
-  2.3-2.5%; 3-bit groups of 32 RTN 16.8-16.9% vs 3.8-4.3%.
-- AWQ on inputs with outlier channels (every 32nd channel 30x larger): 4-bit groups of 32 RTN
-  8.0-8.4% vs AWQ 3.5-3.6%; groups of 128 9.9-10.6% vs 5.5-5.7%; per channel 10.9-11.6% vs
-  6.5-6.8%; with 10x outliers, groups of 32: 8.0-8.3% vs 5.6-5.7%.
+- GPTQ on correlated inputs (``correlated``: rank-16 mixtures plus 10% noise): 4-bit groups of
+  32 RTN 8.0-8.5% vs GPTQ 1.9% (act-order 1.5%); per channel RTN 11.0-11.4% vs 2.5% (2.0%);
+  3-bit groups of 32 RTN 17.9% vs 4.1% (3.2-3.3%).
+- AWQ on inputs with outlier channels (``with_outliers``: every 32nd channel 30x larger): 4-bit
+  groups of 32 RTN 8.0-8.4% vs AWQ 3.6% (alpha 0.40-0.45); groups of 128 10.0-10.3% vs 5.5-5.7%;
+  per channel 11.1-11.2% vs 6.6-6.7%; with 10x outliers, groups of 32: 8.0-8.4% vs 5.6-5.7%.
 
 The tests use smaller kernels (64 -> 32, and a 64 -> 64 -> 32 model) with the same kinds of
 inputs, where GPTQ gains less (0.39-0.43 of RTN's error instead of 0.22-0.25); each test's
