@@ -36,7 +36,9 @@ class QuantizableKernel(Module):
     weights keep their scales per slice over those axes. Attributes: ``kernel`` (float, or
     quantized), and each mode's state: ``kernel_scale`` and ``kernel_colsum`` (int8, int4),
     ``fp8`` (float8: a dict of :class:`~autopolicy.numerics.float8.Float8Meta` for the input,
-    the kernel and the output gradient).
+    the kernel and the output gradient), ``kernel_scale``, ``kernel_zero``, ``g_idx`` and
+    ``awq_scales`` (GPTQ, AWQ: None until ``autopolicy.nn.calibrate_weights`` sets them; the
+    float kernel stays until then).
     """
 
     layer_kind: ClassVar[str]
