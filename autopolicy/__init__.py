@@ -1,5 +1,5 @@
-"""autopolicy: per-layer dtype policies (float32, bfloat16/float16, int8, float8, int4) for JAX,
-and a search that picks the fastest ones that keep accuracy within budget.
+"""autopolicy: per-layer dtype policies (float32, bfloat16/float16, int8, float8, int4, GPTQ,
+AWQ) for JAX, and a search that picks the fastest ones that keep accuracy within budget.
 
 Importing ``autopolicy`` does not import pandas or matplotlib (reports and the CLI do), nor a
 framework: :mod:`autopolicy.keras` is imported (with Keras) on first use of ``autopolicy.keras``.
@@ -22,6 +22,8 @@ from autopolicy.policies import (
     DTypePolicy,
     DTypePolicyMap,
     FloatDTypePolicy,
+    AWQDTypePolicy,
+    GPTQDTypePolicy,
     Int4DTypePolicy,
     QuantizedDTypePolicy,
     QuantizedFloat8DTypePolicy,
@@ -53,6 +55,8 @@ __all__ = [
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
     "Int4DTypePolicy",
+    "GPTQDTypePolicy",
+    "AWQDTypePolicy",
     "DTypePolicyMap",
     "get",
     "serialize",

@@ -305,7 +305,8 @@ QUANTIZE_ERRORS = {
         lambda: _built(nn.Dense(4), X2),
         "int7",
         ValueError,
-        r"Expected one of \('int8', 'float8', 'int4', 'int4/<block_size>'\). Received: mode='int7'",
+        r"Expected one of \('int8', 'float8', 'int4', 'int4/<block_size>', 'gptq/<weight_bits>/<group_size>', "
+        r"'awq/<weight_bits>/<group_size>'\). Received: mode='int7'",
     ),
     "conv_int4": (
         lambda: _built(nn.Conv2D(2, 3), IMAGES),

@@ -107,4 +107,4 @@ def test_the_policy_side_of_the_registry_imports_no_jax():
     )
     root = __file__.rsplit("/tests/", 1)[0]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
-    assert out.stdout.strip() == "False ('int8', 'float8', 'int4')"
+    assert out.stdout.strip() == "False ('int8', 'float8', 'int4', 'gptq', 'awq')"

@@ -116,9 +116,11 @@ class NNAdapter:
         signature = json.dumps({"class": type(layer).__name__, "config": config, "weights": shapes_and_dtypes(layer),
                                 "inputs": shapes_and_dtypes((call.args, call.kwargs))}, sort_keys=True, default=str)
         first = jax.tree_util.tree_leaves((call.args, call.kwargs))[0]
-        # Modes that cannot take this layer's real input (float8 on integer ids) are left out.
+        # Modes that cannot take this layer's real input (float8 on integer ids) are left out, and
+        # so are modes whose weights need a calibration pass of their own (GPTQ, AWQ).
         modes = tuple(m for m in layer.supported_quantization_modes
-                      if _checks.input_problem(call.args, f"{m}_from_float32") is None)
+                      if not policies.get_quantization_mode(m).calibrated
+                      and _checks.input_problem(call.args, f"{m}_from_float32") is None)
         return TunableLayer(path, type(layer).__name__, modes, signature, tuple(np.shape(first)), call.producer)
 
     def layers(self) -> tuple[TunableLayer, ...]:

@@ -25,6 +25,7 @@ from autopolicy.nn.gguf import load_gguf
 from autopolicy.nn.generation import greedy_generate, perplexity
 from autopolicy.nn.weights import LoadReport, load_weights, weight_names
 from autopolicy.nn.calibration import calibrate
+from autopolicy.nn.weight_calibration import calibrate_weights, uncalibrated_layers
 from autopolicy.nn.serialization import load, register_serializable, save
 from autopolicy.nn._partition import combine, leaf_kinds, partition
 
@@ -65,6 +66,8 @@ __all__ = [
     "weight_names",
     "LoadReport",
     "calibrate",
+    "calibrate_weights",
+    "uncalibrated_layers",
     "save",
     "load",
     "register_serializable",

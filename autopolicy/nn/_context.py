@@ -158,3 +158,18 @@ def call_hook(hook: Hook) -> Iterator[None]:
 
 def hooks() -> list[Hook]:
     return _get("hooks") or []
+
+
+# --- weight calibration (GPTQ, AWQ) ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def calibrating() -> Iterator[None]:
+    """Inside the block, layers whose quantized weights await calibration run their float kernel
+    (``calibrate_weights`` collects their inputs this way); outside it they raise."""
+    with _setting("calibrating", True):
+        yield
+
+
+def is_calibrating() -> bool:
+    return bool(_get("calibrating"))

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import jax.numpy as jnp
+
 from autopolicy import policies
+from autopolicy.nn import _context
 from autopolicy.nn._module import Module
-from autopolicy.numerics import kernels, modes
+from autopolicy.numerics import kernels, modes, weight_only
 
 __all__ = ["QuantizableKernel"]
 
@@ -33,7 +36,9 @@ class QuantizableKernel(Module):
     weights keep their scales per slice over those axes. Attributes: ``kernel`` (float, or
     quantized), and each mode's state: ``kernel_scale`` and ``kernel_colsum`` (int8, int4),
     ``fp8`` (float8: a dict of :class:`~autopolicy.numerics.float8.Float8Meta` for the input,
-    the kernel and the output gradient).
+    the kernel and the output gradient), ``kernel_scale``, ``kernel_zero``, ``g_idx`` and
+    ``awq_scales`` (GPTQ, AWQ: None until ``autopolicy.nn.calibrate_weights`` sets them; the
+    float kernel stays until then).
     """
 
     layer_kind: ClassVar[str]
@@ -65,6 +70,14 @@ class QuantizableKernel(Module):
         """
         entry = modes.numerics_of(self._weights_mode)
         weights = {name: getattr(self, name) for name in ("kernel",) + entry.state}
+        if entry.is_calibrated is not None and not entry.is_calibrated(weights):
+            if _context.is_calibrating() and self.kernel_op == "einsum":
+                equation, x = args  # the float kernel is still there, read in the compute dtype
+                return jnp.einsum(equation, x, self.kernel).astype(compute_dtype)
+            raise weight_only.UncalibratedError(
+                f"{self.path!r} has the policy {self.dtype_policy.name!r}, whose weights come from calibration, and "
+                "was not calibrated: call autopolicy.nn.calibrate_weights(model, batches) first (it runs the "
+                "model on your batches and sets the quantized weights layer by layer).")
         chosen = self.__dict__.get("quantization_kernel")
         if chosen is not None:
             fn = kernels.kernel_spec(self._weights_mode, chosen).fn(self.kernel_op)
@@ -143,7 +156,10 @@ class QuantizableKernel(Module):
     def _leave_form(self, old_form: tuple[str, tuple]) -> None:
         """Drops the state of the old form, or refuses when the float kernel is gone."""
         entry = modes.numerics_of(old_form[0])
-        if entry.replaces_kernel:
+        # GPTQ/AWQ layers keep their float kernel until calibrated: until then they can leave.
+        awaiting = entry.is_calibrated is not None and not entry.is_calibrated(
+            {name: getattr(self, name) for name in entry.state})
+        if entry.replaces_kernel and not awaiting:
             layout = f" (layout {old_form[1]})" if old_form[1] else ""
             raise ValueError(
                 f"{self.path!r} holds {old_form[0]} weights{layout} and cannot become "

@@ -100,7 +100,8 @@ class Retyping:
         ``"int4"``, ``"int4/128"``); each quantized layer gets the policy
         ``f"{mode}_from_{its policy}"``. ``"int4"`` keeps one scale per output channel, as the
         name ``int4_from_float32`` says (Keras 3.15's ``quantize("int4")`` defaults to blocks of
-        128: pass ``"int4/128"`` for those). On a single layer,
+        128: pass ``"int4/128"`` for those). ``"gptq/4/128"`` and ``"awq/4/128"`` (Dense layers)
+        give policies whose weights are then set by ``autopolicy.nn.calibrate_weights``. On a single layer,
         a layer type without such a kernel, an unbuilt layer or an already quantized one raise.
         On a model, layers without such a kernel are skipped (and logged);
         ``filter(path, layer)`` selects the layers to quantize.

@@ -25,7 +25,8 @@ def calibrate(model: Module, batches: Iterable[Any]) -> Module:
     """Sets the float8 input and kernel scales of ``model`` from a few representative batches.
 
     Each batch is one step of delayed scaling: the amax histories record the batch's absolute
-    maxima and the scales follow them. Models without float8 layers come back unchanged.
+    maxima and the scales follow them. Models without float8 layers come back unchanged. GPTQ
+    and AWQ weights are calibrated by :func:`autopolicy.nn.calibrate_weights`.
 
     Args:
       model: A built model (float8 layers have ``float8_from_*`` policies).

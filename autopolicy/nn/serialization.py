@@ -18,7 +18,7 @@ import ml_dtypes  # noqa: F401  (bfloat16/float8 dtype names)
 import numpy as np
 
 from autopolicy import _atomic, _json, policies
-from autopolicy.nn import _config
+from autopolicy.nn import _config, weight_calibration
 from autopolicy.nn._module import Module
 
 __all__ = ["save", "load", "register_serializable", "DamagedSaveError"]
@@ -57,7 +57,8 @@ def save(model: Module, directory: str | os.PathLike) -> None:
     """Writes ``model`` (built; float, quantized or float8) to ``directory``.
 
     Files: ``model.json`` (constructor arguments, build input shapes, the policy of every layer
-    as a Keras ``DTypePolicyMap``, the kernels chosen by ``with_kernels``, array dtypes) and
+    as a Keras ``DTypePolicyMap``, the kernels chosen by ``with_kernels``, array dtypes, the
+    paths of calibrated GPTQ/AWQ layers) and
     ``weights.npz``; each written atomically.
 
     Raises:
@@ -89,6 +90,9 @@ def save(model: Module, directory: str | os.PathLike) -> None:
         "kernels": model.kernels(),
         "dtypes": dtypes,
     }
+    calibrated = weight_calibration.calibrated_layers(model)
+    if calibrated:  # GPTQ/AWQ layers whose weights came from calibration (see load)
+        manifest["calibrated"] = list(calibrated)
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     os.makedirs(directory, exist_ok=True)
@@ -195,7 +199,10 @@ def _rebuild(manifest: dict[str, Any], classes: dict[str, type], directory: str)
         model = model.with_dtype_policy(policies.deserialize(manifest["policy_map"]))
         inputs = manifest["build_inputs"]
         model = model.build(jax.random.key(0), *_zeros(inputs["args"]), **_zeros(inputs["kwargs"]))
-        return model.with_kernels(dict(manifest.get("kernels") or {}))
+        model = model.with_kernels(dict(manifest.get("kernels") or {}))
+        # Building gives GPTQ/AWQ layers their float kernels, awaiting calibration; the saved ones
+        # were calibrated: give them the calibrated form, which the saved arrays then fill.
+        return weight_calibration.with_calibrated_placeholders(model, manifest.get("calibrated") or ())
     except _Damaged:
         raise
     except Exception as e:  # pylint: disable=broad-except

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from autopolicy.numerics import float8, int4, int8
+from autopolicy.numerics import awq, float8, gptq, int4, int8, weight_only
 from autopolicy.policies import QUANTIZATION_MODES
 
 __all__ = ["OPS", "ModeNumerics", "NUMERICS", "numerics_of"]
@@ -49,6 +49,8 @@ class ModeNumerics:
         when they change (int4's block size); ``()`` for none.
       retune: ``retune(state, policy) -> state`` for a policy of the same mode and layout whose
         other parameters changed (float8's history length), or None.
+      is_calibrated: For modes whose weights come from calibration (GPTQ, AWQ):
+        ``is_calibrated(weights) -> bool``; None for modes that quantize from the weights alone.
     """
 
     name: str
@@ -60,6 +62,7 @@ class ModeNumerics:
     no_autocast: tuple[str, ...] = ()
     layout: Callable[[Any], tuple] = _no_layout
     retune: Callable[[dict, Any], dict] | None = None
+    is_calibrated: Callable[[dict], bool] | None = None
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -109,6 +112,29 @@ NUMERICS: tuple[ModeNumerics, ...] = (
         frozen=("kernel", "kernel_scale", "kernel_colsum"),
         no_autocast=("kernel_scale",),
         layout=int4.block_size_of,
+    ),
+    ModeNumerics(
+        name="gptq",
+        quantize=gptq.quantize_weights,
+        kernels=(("einsum", weight_only.einsum_kernel),),
+        state=("kernel_scale", "kernel_zero", "g_idx"),
+        replaces_kernel=True,
+        frozen=("kernel", "kernel_scale", "kernel_zero", "g_idx"),
+        # g_idx holds group numbers (bfloat16 rounds them past 256); scales are applied in float32.
+        no_autocast=("kernel_scale", "g_idx"),
+        layout=weight_only.layout_of,
+        is_calibrated=weight_only.is_calibrated,
+    ),
+    ModeNumerics(
+        name="awq",
+        quantize=awq.quantize_weights,
+        kernels=(("einsum", weight_only.einsum_kernel),),
+        state=("kernel_scale", "kernel_zero", "g_idx", "awq_scales"),
+        replaces_kernel=True,
+        frozen=("kernel", "kernel_scale", "kernel_zero", "g_idx", "awq_scales"),
+        no_autocast=("kernel_scale", "g_idx", "awq_scales"),
+        layout=weight_only.layout_of,
+        is_calibrated=weight_only.is_calibrated,
     ),
 )
 

@@ -17,8 +17,10 @@ from autopolicy.policies._modes import (
     modes_for_layer_kind,
 )
 from autopolicy.policies._policy import (
+    AWQDTypePolicy,
     DTypePolicy,
     FloatDTypePolicy,
+    GPTQDTypePolicy,
     Int4DTypePolicy,
     QuantizedDTypePolicy,
     QuantizedFloat8DTypePolicy,
@@ -37,6 +39,8 @@ __all__ = [
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
     "Int4DTypePolicy",
+    "GPTQDTypePolicy",
+    "AWQDTypePolicy",
     "DTypePolicyMap",
     "DEFAULT_POLICY_NAME",
     "QUANTIZATION_MODES",

@@ -78,6 +78,9 @@ class QuantizationMode:
       color: Its colour in report figures (for ``'<name>_from_float32'``).
       refused_compute_dtypes: Compute dtypes its policies refuse.
       refusal_reason: Why, for the error message.
+      calibrated: True when the quantized weights come from a calibration pass over real inputs
+        (GPTQ, AWQ: ``autopolicy.nn.calibrate_weights``), not from the weights alone; such
+        modes run only once calibrated, so the search does not offer them as candidates.
     """
 
     name: str
@@ -87,6 +90,7 @@ class QuantizationMode:
     color: str
     refused_compute_dtypes: tuple[str, ...] = ()
     refusal_reason: str = ""
+    calibrated: bool = False
 
     @property
     def example(self) -> str:
@@ -131,6 +135,25 @@ MODES: tuple[QuantizationMode, ...] = (
         ),
         layer_kinds=("dense", "einsum_dense"),
         color="#e6ab02",
+    ),
+    QuantizationMode(
+        name="gptq",
+        summary="weight-only GPTQ: 2/3/4/8-bit weights, asymmetric scales and zero points per group "
+        "of inputs, set column by column with error feedback from calibration inputs; float inputs",
+        # Keras 3.15's GPTQDTypePolicy: "gptq/<weight_bits>/<group_size>" (no plain "gptq" form).
+        forms=(PolicyForm("gptq/<weight_bits>/<group_size>", "GPTQDTypePolicy", _QUANTIZED_KEYS, "gptq/4/128"),),
+        layer_kinds=("dense",),
+        color="#937860",
+        calibrated=True,
+    ),
+    QuantizationMode(
+        name="awq",
+        summary="weight-only AWQ: 4-bit weights, asymmetric scales and zero points per group, inputs "
+        "channels scaled by a searched power of their mean magnitude; float inputs",
+        forms=(PolicyForm("awq/<weight_bits>/<group_size>", "AWQDTypePolicy", _QUANTIZED_KEYS, "awq/4/128"),),
+        layer_kinds=("dense",),
+        color="#da8bc3",
+        calibrated=True,
     ),
 )
 
@@ -199,10 +222,12 @@ def _check_registry(modes: tuple[QuantizationMode, ...]) -> None:
     keys_by_class: dict[str, tuple[str, ...]] = {}
     for mode in modes:
         unknown = [k for k in mode.layer_kinds if k not in LAYER_KINDS]
-        if unknown or not mode.forms or mode.forms[0].spelling != mode.name:
+        # The first form is the mode's own name, or (Keras's gptq/awq, which have no plain form)
+        # the name with its parameters: "gptq/<weight_bits>/<group_size>".
+        if unknown or not mode.forms or mode.forms[0].spelling.partition("/")[0] != mode.name:
             raise ValueError(
                 f"Registry entry {mode.name!r}: layer kinds must be among {LAYER_KINDS} (got "
-                f"{unknown}) and its first form must be spelled {mode.name!r}."
+                f"{unknown}) and its first form must be spelled {mode.name!r} (or '{mode.name}/<...>')."
             )
         for form in mode.forms:
             if keys_by_class.setdefault(form.class_name, form.config_keys) != form.config_keys:

@@ -102,6 +102,13 @@ def check_source(mode: _modes.QuantizationMode, source_name: object) -> DTypes:
 
 def _invalid_name_message(name: str) -> str:
     found = _modes.find_form(name)
+    if found is None and name in QUANTIZATION_MODES:
+        # A mode spelled only with parameters (Keras's "gptq/<weight_bits>/<group_size>").
+        form = _modes.get_quantization_mode(name).forms[0]
+        return (
+            f"{name!r} is a quantization mode, not a policy: add its parameters and source, "
+            f"'{form.spelling}_from_<source>', e.g. '{form.example}_from_float32'. Received: name={name!r}"
+        )
     if found is not None:
         # A parameterized spelling may hold a bad parameter: suggest the form's own example.
         example = name if name == found[1].spelling else found[1].example

@@ -20,6 +20,8 @@ __all__ = [
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
     "Int4DTypePolicy",
+    "GPTQDTypePolicy",
+    "AWQDTypePolicy",
 ]
 
 
@@ -250,9 +252,90 @@ def _int4_block_size(mode: object) -> int:
     return block_size
 
 
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
+class _WeightOnlyDTypePolicy(QuantizedDTypePolicy):
+    """The shared part of Keras 3.15's GPTQ and AWQ policies: ``"<mode>/<weight_bits>/<group_size>"``."""
+
+    weight_bits: int
+    group_size: int
+
+    #: The bit widths the class accepts (Keras's choices).
+    WEIGHT_BITS: ClassVar[tuple[int, ...]] = ()
+
+    def __init__(self, mode: str, source_name: str | None = None):
+        bits, group_size = self._parse_mode(mode)
+        self._init_quantized(mode, source_name, weight_bits=bits, group_size=group_size)
+
+    @classmethod
+    def _parse_mode(cls, mode: object) -> tuple[int, int]:
+        entry = _names.check_mode(mode, cls.keras_class_name)  # also refuses non-strings
+        expected = f"'{entry.name}/<weight_bits>/<group_size>', e.g. '{entry.example}'"
+        parts = mode.split("/")  # type: ignore[union-attr]
+        # Only canonical decimal spellings, so that equal policies have equal names.
+        if len(parts) != 3 or not all(re.fullmatch(r"-?(0|[1-9][0-9]*)", p) for p in parts[1:]):
+            raise ValueError(f"Invalid mode for {cls.keras_class_name}. Expected {expected}, with integer "
+                             f"<weight_bits> and <group_size>. Received: mode={mode!r}")
+        bits, group_size = int(parts[1]), int(parts[2])
+        if bits not in cls.WEIGHT_BITS:
+            raise ValueError(f"Invalid weight_bits for {cls.keras_class_name}. Expected one of {cls.WEIGHT_BITS}. "
+                             f"Received: weight_bits={bits} (in mode={mode!r})")
+        if group_size == 0 or group_size < -1:
+            raise ValueError(
+                f"Invalid group_size for {cls.keras_class_name}. Expected -1 (one group per output channel) or a "
+                f"positive integer. Received: group_size={group_size} (in mode={mode!r})")
+        return bits, group_size
+
+    def get_config(self) -> dict[str, Any]:
+        return {"mode": f"{self.mode}/{self.weight_bits}/{self.group_size}", "source_name": self.source_name}
+
+
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
+class GPTQDTypePolicy(_WeightOnlyDTypePolicy):
+    """A GPTQ policy, as Keras 3.15's ``GPTQDTypePolicy``: weight-only quantization whose weights
+    are set by calibration (``autopolicy.nn.calibrate_weights``).
+
+    Args:
+      mode: ``"gptq/<weight_bits>/<group_size>"``: 2, 3, 4 or 8 bits; groups of ``<group_size>``
+        inputs share a scale and zero point per output, or -1 for one per output channel.
+      source_name: The non-quantized policy the float parts follow; None means the global one.
+
+    Raises:
+      ValueError: for another mode, bits not in (2, 3, 4, 8), or a group size that is not -1 or
+        a positive integer.
+
+    >>> policy = GPTQDTypePolicy("gptq/4/128", "float32")
+    >>> policy.name, policy.quantization_mode, policy.weight_bits, policy.group_size
+    ('gptq/4/128_from_float32', 'gptq', 4, 128)
+    >>> policy.get_config()
+    {'mode': 'gptq/4/128', 'source_name': 'float32'}
+    """
+
+    keras_class_name: ClassVar[str] = "GPTQDTypePolicy"
+    WEIGHT_BITS: ClassVar[tuple[int, ...]] = (2, 3, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
+class AWQDTypePolicy(_WeightOnlyDTypePolicy):
+    """An AWQ policy, as Keras 3.15's ``AWQDTypePolicy``: 4-bit weight-only quantization with
+    activation-aware input-channel scales, set by calibration (``autopolicy.nn.calibrate_weights``).
+
+    Args:
+      mode: ``"awq/4/<group_size>"`` (Keras's AWQ has 4 bits only); ``<group_size>`` -1 or a
+        positive integer.
+      source_name: The non-quantized policy the float parts follow; None means the global one.
+
+    >>> AWQDTypePolicy("awq/4/-1", "mixed_bfloat16")
+    <AWQDTypePolicy "awq/4/-1_from_mixed_bfloat16">
+    """
+
+    keras_class_name: ClassVar[str] = "AWQDTypePolicy"
+    WEIGHT_BITS: ClassVar[tuple[int, ...]] = (4,)
+
+
 #: The quantized policy classes by Keras class name (the registry names them by these).
 POLICY_CLASSES: dict[str, type[QuantizedDTypePolicy]] = {
-    cls.keras_class_name: cls for cls in (QuantizedDTypePolicy, QuantizedFloat8DTypePolicy, Int4DTypePolicy)
+    cls.keras_class_name: cls
+    for cls in (QuantizedDTypePolicy, QuantizedFloat8DTypePolicy, Int4DTypePolicy, GPTQDTypePolicy, AWQDTypePolicy)
 }
 
 
