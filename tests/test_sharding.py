@@ -160,3 +160,22 @@ def test_an_int4_block_crossing_a_shard_boundary_is_refused():
             int4.quantize_weights(placed, (0,), "einsum", policies.get("int4/32_from_float32"), jnp.float32)
         assert int4.quantize_weights(placed, (0,), "einsum", policies.get("int4/16_from_float32"),
                                      jnp.float32)["kernel"].shape == (96, 8)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "int8_from_float32", "int4_from_float32"])
+def test_a_data_parallel_encoder_runs_every_policy_under_explicit_axes(policy):
+    # Token ids sharded over the batch: the embedding gathers (float and int8 tables) and the
+    # quantized EinsumDense reshapes (rows flattened and split back) keep the batch sharding.
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 100, (8, 6)), jnp.int32)
+    model = nn.Sequential([nn.Embedding(100, 32), nn.EinsumDense("btc,cd->btd", (None, 48)), nn.Dense(16)],
+                          name="enc").build(jax.random.key(0), ids)
+    expected = np.asarray(model.with_dtype_policy(policies.DTypePolicyMap(policy)).build(jax.random.key(0), ids)(ids),
+                          np.float32)
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(model, NamedSharding(mesh, P()))
+        ids_s = jax.device_put(ids, NamedSharding(mesh, P("data", None)))
+        quantized = placed.with_dtype_policy(policies.DTypePolicyMap(policy)).build(jax.random.key(0), ids_s)
+        y = jax.jit(lambda m, v: m(v))(quantized, ids_s)
+        assert jax.typeof(y).sharding.spec == P("data", None, None)
+    np.testing.assert_allclose(np.asarray(y, np.float32), expected, rtol=1e-5, atol=1e-5)

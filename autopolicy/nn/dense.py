@@ -84,8 +84,8 @@ class Dense(QuantizableKernel):
             y = jnp.einsum("...k,kn->...n", x, self.kernel,
                            out_sharding=_sharding.out_sharding("...k,kn->...n", x, self.kernel))
         else:  # quantized kernels take 2-D inputs: (rows, features)
-            y2 = self._quantized_kernel("mk,kn->mn", x.reshape((-1, x.shape[-1])), compute_dtype=x.dtype)
-            y = y2.reshape(x.shape[:-1] + (y2.shape[-1],))
+            y2 = self._quantized_kernel("mk,kn->mn", _sharding.reshape(x, (-1, x.shape[-1])), compute_dtype=x.dtype)
+            y = _sharding.reshape(y2, x.shape[:-1] + (y2.shape[-1],))
         if self.bias is not None:
             y = y + self.bias
         return activations.get(self.activation)(y)

@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from autopolicy.numerics import _sharding
+
 from autopolicy.nn import initializers
 from autopolicy.nn._quantizable import QuantizableKernel
 
@@ -75,9 +77,9 @@ def _gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     table stored as uint16 would gather in 0.17 ms, but the variable keeps its policy's dtype).
     """
     if table.dtype.itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating):
-        bits = jax.lax.bitcast_convert_type(table, jnp.uint16)[ids]
+        bits = _sharding.take_rows(jax.lax.bitcast_convert_type(table, jnp.uint16), ids)
         return jax.lax.bitcast_convert_type(bits, table.dtype)
-    return table[ids]
+    return _sharding.take_rows(table, ids)
 
 
 def _gather_rows_fwd(table, ids):

@@ -195,10 +195,10 @@ def _as_matmul(equation, x_q, kernel_q):
     n = int(np.prod(cols_shape))
 
     def back(acc):
-        acc = acc.reshape(rows_shape + cols_shape)
+        acc = _sharding.reshape(acc, rows_shape + cols_shape)
         return jnp.transpose(acc, [(free_x + free_k).index(c) for c in out])
 
-    return x_t.reshape((-1, k)), k_t.reshape((k, n)), back
+    return _sharding.reshape(x_t, (-1, k)), _sharding.reshape(k_t, (k, n)), back
 
 
 def _ffi_accumulate(equation, x_q, kernel_q, kernel_colsum):

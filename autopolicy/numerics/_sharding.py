@@ -16,12 +16,13 @@ True
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 from jax.sharding import AxisType, PartitionSpec
 
-__all__ = ["out_sharding", "explicit_mesh", "spec_of", "spans_devices", "describe", "collectives", "shards_along",
+__all__ = ["out_sharding", "gather_out_sharding", "take_rows", "reshape", "explicit_mesh", "spec_of", "spans_devices", "describe", "collectives", "shards_along",
            "COLLECTIVES"]
 
 
@@ -81,6 +82,40 @@ def out_sharding(equation: str, x: Any, kernel: Any) -> PartitionSpec | None:
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*out)
+
+
+def gather_out_sharding(table: Any, ids: Any) -> PartitionSpec | None:
+    """The ``out_sharding`` of ``table[ids]`` (rows of ``table``): None outside an Explicit mesh
+    or when the ids are not sharded, else the ids' spec followed by the table's other axes'."""
+    if explicit_mesh() is None:
+        return None
+    ids_spec = spec_of(ids)
+    if not any(_axes(entry) for entry in ids_spec):
+        return None
+    used = {a for entry in ids_spec for a in _axes(entry)}
+    rest = [entry if not set(_axes(entry)) & used else None for entry in spec_of(table)[1:]]
+    return PartitionSpec(*ids_spec, *rest)
+
+
+def take_rows(table: Any, ids: Any) -> Any:
+    """``table[ids]``; under Explicit mesh axes with sharded ids, the rows come out sharded as
+    the ids are (:func:`gather_out_sharding`), as JAX asks to be told."""
+    spec = gather_out_sharding(table, ids)
+    return table[ids] if spec is None else table.at[ids].get(out_sharding=spec)
+
+
+def reshape(x: Any, shape: tuple) -> Any:
+    """``x.reshape(shape)``; under Explicit mesh axes, a leading axis sharded before is sharded
+    after (on the first new axis, which JAX cannot infer when a sharded axis is split), the rest
+    unsharded: how quantized kernels flatten ``(batch, ..., features)`` to rows and back."""
+    spec = spec_of(x) if explicit_mesh() is not None else ()
+    if not spec or not _axes(spec[0]) or any(_axes(e) for e in spec[1:]) or not shape:
+        return x.reshape(shape)
+    shape = tuple(shape)
+    if -1 in shape:  # resolved here: lax.reshape takes no -1
+        known = math.prod(d for d in shape if d != -1)
+        shape = tuple(math.prod(jax.numpy.shape(x)) // known if d == -1 else d for d in shape)
+    return jax.lax.reshape(x, shape, out_sharding=PartitionSpec(spec[0], *([None] * (len(shape) - 1))))
 
 
 def spans_devices(tree: Any) -> bool:

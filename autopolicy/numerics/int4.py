@@ -325,14 +325,14 @@ def int4_einsum(
         return jnp.einsum(equation, x, kernel, out_sharding=_sharding.out_sharding(equation, x, kernel)).astype(
             compute_dtype)
     order = [lhs.index(c) for c in free_x + contracted]
-    x2 = jnp.transpose(x, order).reshape((-1, k))
+    x2 = _sharding.reshape(jnp.transpose(x, order), (-1, k))
     n = math.prod(packed.shape[1:])
     if kernel == "cpu_ffi" and not cpu_kernels.AVAILABLE:
         raise ValueError(f"The int4 kernel 'cpu_ffi' is not available here: {cpu_kernels.unavailable_reason()}. "
                          "Use kernel='xla'.")
     y2 = int4_matmul(x2, packed.reshape((packed.shape[0], n)), scale.reshape((scale.shape[0], n)),
                      colsum.reshape((colsum.shape[0], n)), block_size, compute_dtype, kernel or "xla")
-    y = y2.reshape(tuple(sizes[c] for c in free_x) + packed.shape[1:])
+    y = _sharding.reshape(y2, tuple(sizes[c] for c in free_x) + packed.shape[1:])
     return jnp.transpose(y, [(free_x + others).index(c) for c in out])
 
 

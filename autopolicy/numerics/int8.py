@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autopolicy.numerics import _sharding
 from autopolicy.numerics._int8_accumulate import (  # noqa: F401  (re-exported)
     INT8_KERNELS,
     INT8_OP_KERNELS,
@@ -178,9 +179,9 @@ def int8_dense(
     :func:`int8_einsum`).
     """
     lead = x.shape[:-1]
-    x2 = x.reshape((-1, x.shape[-1]))
+    x2 = _sharding.reshape(x, (-1, x.shape[-1]))
     y = int8_einsum("mk,kn->mn", x2, kernel_q, kernel_scale, compute_dtype, kernel_colsum, kernel)
-    return y.reshape(lead + (kernel_q.shape[-1],))
+    return _sharding.reshape(y, lead + (kernel_q.shape[-1],))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -239,7 +240,8 @@ def int8_gather(ids: jax.Array, kernel_q: jax.Array, kernel_scale: jax.Array, co
     >>> int8_gather(jnp.array([1]), jnp.array([[1, 2], [3, -4]], jnp.int8), jnp.array([[1.0], [0.5]]), "float32")
     Array([[ 1.5, -2. ]], dtype=float32)
     """
-    rows = kernel_q[ids].astype(jnp.float32) * kernel_scale[ids].astype(jnp.float32)
+    rows = (_sharding.take_rows(kernel_q, ids).astype(jnp.float32)
+            * _sharding.take_rows(kernel_scale, ids).astype(jnp.float32))
     return rows.astype(compute_dtype)
 
 
