@@ -101,15 +101,13 @@ def _sharded(args: argparse.Namespace) -> None:
 
 
 def _workers(args: argparse.Namespace) -> None:
-    import jax  # pylint: disable=import-outside-toplevel
-
     from autopolicy import experiment, search  # pylint: disable=import-outside-toplevel
     from autopolicy.search import hardware  # pylint: disable=import-outside-toplevel
 
     exp = experiment.load("minilm").build(None)
     candidates = ("float32",) + tuple(args.candidates.split(","))
     print("## MiniLM complete sensitivity table on workers\n")
-    print(f"device: {hardware.describe()}; jax {jax.__version__}; candidates {', '.join(candidates[1:])}; "
+    print(f"device: {hardware.describe()}; candidates {', '.join(candidates[1:])}; "
           f"load average before: {os.getloadavg()[0]:.1f}\n")
 
     def run(executor):
