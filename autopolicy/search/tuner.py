@@ -12,7 +12,7 @@ import time
 import numpy as np
 from typing import Any, Callable, Iterable, Sequence
 
-from autopolicy import _json, policies
+from autopolicy import _json, _multihost, policies
 from autopolicy.search import _checks, accuracy as accuracy_phase, executor as executor_mod, hardware, latency_model, noise, profiling, verify
 from autopolicy.search.costs import Costs, phase
 from autopolicy.search._context import Context
@@ -190,6 +190,10 @@ def tune(
         if executor is not None and not callable(getattr(executor, "submit", None)):
             raise TypeError(f"executor must be a concurrent.futures.Executor (an object with submit(fn, *args) "
                             f"returning a future), or None. Received: executor={executor!r}")
+        if executor is not None and _multihost.count() > 1:
+            raise ValueError(f"executor cannot be used with several JAX processes (jax.process_count()="
+                             f"{_multihost.count()}): a worker cannot join the processes' programs. Pass "
+                             "executor=None; every process then scores its share of the same programs.")
         args = _checks.check_sample_input(sample_input)
         if profile_accuracy not in PROFILE_ACCURACY:
             raise ValueError(f"profile_accuracy must be one of {list(PROFILE_ACCURACY)}. "
@@ -200,7 +204,8 @@ def tune(
         if not layer_sites:
             raise ValueError("The model has no tunable layers (Dense, EinsumDense, Conv2D, Embedding, ...).")
         detected = hardware.detect()
-        fingerprint = hardware.fingerprint(detected)
+        # Process 0's: every process must find the same measurements in the cache.
+        fingerprint = _multihost.from_leader(hardware.fingerprint(detected))
         # The cache (its directory checked and locked) before any evaluation or measurement.
         with MeasurementCache(cache_dir, _shared_file(shared_cache_dir)) as cache:
             reference_model, scorer = _reference(made, eval_fn, calibration)
@@ -266,6 +271,8 @@ def tune(
                            "report_only": report_only, "total": total, "on_workers": accuracy.remote}
             with phase("verify"):
                 test = _test_metrics(test_fn, reference_model, models[winner.name])
+            _multihost.check_same([policies.serialize(winner.policy_map), winner.name, list(decisions)],
+                                  "the chosen map and the decisions")
             return TuneResult(
                 policy_map=winner.policy_map, model=models[winner.name], latency=latency, accuracy=accuracy,
                 configurations=tuple(entries), chosen=winner, budget=ctx.budget, hardware=detected,
