@@ -3,12 +3,16 @@
 Usage: ``python tests/multihost_worker.py PROCESS_ID COORDINATOR_PORT OUT_DIR``, with
 ``JAX_NUM_CPU_DEVICES=2``: the two processes' four CPU devices form one global mesh, the data
 axis across the processes and the model axis within each. Every process tunes the same sharded
-MLP, then saves the result to ``OUT_DIR/run`` (only process 0 writes it) with its cache in
-``OUT_DIR/cache``, and writes what it saw to ``OUT_DIR/process_<id>.json``: the chosen map, its
-profile's timings, and each timing gather's local and gathered values.
+MLP twice (the second run resumes from the first's cache), saving the result to
+``OUT_DIR/p<id>/run`` with the cache in ``OUT_DIR/p<id>/cache`` (only process 0 may write
+them), and writes what it saw to ``OUT_DIR/process_<id>.json``: the chosen map, the profile's
+timings, each timing gather's local and gathered values, and the cache's statistics.
 
 ``AUTOPOLICY_TEST_SLOW_PROCESS=<id>`` and ``AUTOPOLICY_TEST_SLEEP_S=<seconds>`` make that
 process's timer sleep inside every timed call, as a slower host would be.
+``AUTOPOLICY_TEST_DISAGREE=1`` makes ``eval_fn`` return another value on each process: the run
+must stop; the error goes to ``process_<id>.json``.
+Exit status 77: ``jax.distributed`` could not start.
 """
 
 import json
@@ -19,8 +23,12 @@ import time
 import jax
 
 PROCESS_ID, PORT, OUT_DIR = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=2, process_id=PROCESS_ID,
-                           initialization_timeout=60)
+try:
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=2, process_id=PROCESS_ID,
+                               initialization_timeout=60)
+except Exception as e:  # pylint: disable=broad-except
+    print(f"jax.distributed could not start: {type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(77)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -69,30 +77,43 @@ def _model(mesh):
     return placed, jax.device_put(x, NamedSharding(mesh, P("data", None)))
 
 
+def _tune(model, x):
+    reference = model(x)
+    disagree = os.environ.get("AUTOPOLICY_TEST_DISAGREE") == "1"
+
+    def fidelity(m):
+        value = 1.0 - float(jnp.mean(jnp.abs(m(x).astype(jnp.float32) - reference)))
+        return value + jax.process_index() if disagree else value
+
+    mine = os.path.join(OUT_DIR, f"p{PROCESS_ID}")
+    result = search.tune(model, fidelity, x, candidates=("float32", "mixed_bfloat16", "int8_from_float32"),
+                         max_drop=0.05, repeats=3, progress=False, profile_accuracy="always",
+                         cache_dir=os.path.join(mine, "cache"), confirm_seconds=1.0)
+    result.save(os.path.join(mine, "run"))
+    return result
+
+
 def main():
     _record_gathers()
     if os.environ.get("AUTOPOLICY_TEST_SLOW_PROCESS") == str(PROCESS_ID):
         _slow_down(float(os.environ.get("AUTOPOLICY_TEST_SLEEP_S", "0.01")))
     mesh = jax.make_mesh((2, 2), ("data", "model"))
-    with jax.set_mesh(mesh):
-        model, x = _model(mesh)
-        reference = model(x)
-
-        def fidelity(m):
-            return 1.0 - float(jnp.mean(jnp.abs(m(x).astype(jnp.float32) - reference)))
-
-        result = search.tune(model, fidelity, x, candidates=("float32", "mixed_bfloat16", "int8_from_float32"),
-                             max_drop=0.05, repeats=3, progress=False, profile_accuracy="always",
-                             cache_dir=os.path.join(OUT_DIR, "cache"), confirm_seconds=1.0)
-        result.save(os.path.join(OUT_DIR, "run"))
-    frame = result.profile
-    report = {
-        "process_index": jax.process_index(), "process_count": jax.process_count(),
-        "devices": jax.device_count(), "mesh_processes": [[d.process_index for d in row] for row in mesh.devices],
-        "map": policies.serialize(result.policy_map),
-        "profile": frame[["layer", "policy", "latency_s", "latency_p25_s", "latency_p75_s"]].to_dict("records"),
-        "gathers": gathers,
-    }
+    report = {"process_index": jax.process_index(), "process_count": jax.process_count(),
+              "devices": jax.device_count(), "mesh_processes": [[d.process_index for d in row] for row in mesh.devices]}
+    try:
+        with jax.set_mesh(mesh):
+            model, x = _model(mesh)
+            first = _tune(model, x)
+            timed = len(gathers)
+            again = _tune(model, x)
+    except ValueError as e:
+        report["error"] = str(e)
+    else:
+        report.update({
+            "map": policies.serialize(first.policy_map), "map_again": policies.serialize(again.policy_map),
+            "profile": first.profile[["layer", "policy", "latency_s", "latency_p25_s", "latency_p75_s"]].to_dict(
+                "records"),
+            "gathers": gathers[:timed], "cache_again": again.cache_stats})
     with open(os.path.join(OUT_DIR, f"process_{PROCESS_ID}.json"), "w", encoding="utf-8") as f:
         json.dump(report, f)
 
