@@ -3,10 +3,11 @@
 Usage: ``python tests/multihost_worker.py PROCESS_ID COORDINATOR_PORT OUT_DIR``, with
 ``JAX_NUM_CPU_DEVICES=2``: the two processes' four CPU devices form one global mesh, the data
 axis across the processes and the model axis within each. Every process tunes the same sharded
-MLP twice (the second run resumes from the first's cache), saving the result to
-``OUT_DIR/p<id>/run`` with the cache in ``OUT_DIR/p<id>/cache`` (only process 0 may write
-them), and writes what it saw to ``OUT_DIR/process_<id>.json``: the chosen map, the profile's
-timings, each timing gather's local and gathered values, and the cache's statistics.
+MLP twice (the second run, with ``profile_accuracy="auto"``, resumes from the first's cache),
+saving the result to ``OUT_DIR/p<id>/run`` with the cache in ``OUT_DIR/p<id>/cache`` (only
+process 0 may write them), and writes what it saw to ``OUT_DIR/process_<id>.json``: the chosen
+map, the profile's timings, each timing gather's local and gathered values, and the cache's
+statistics.
 
 ``AUTOPOLICY_TEST_SLOW_PROCESS=<id>`` and ``AUTOPOLICY_TEST_SLEEP_S=<seconds>`` make that
 process's timer sleep inside every timed call, as a slower host would be.
@@ -21,21 +22,15 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-PROCESS_ID, PORT, OUT_DIR = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-try:
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=2, process_id=PROCESS_ID,
-                               initialization_timeout=60)
-except Exception as e:  # pylint: disable=broad-except
-    print(f"jax.distributed could not start: {type(e).__name__}: {e}", file=sys.stderr)
-    sys.exit(77)
+from autopolicy import _multihost, nn, policies, search
+from autopolicy.search import timing
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-from autopolicy import _multihost, nn, policies, search  # noqa: E402
-from autopolicy.search import timing  # noqa: E402
+NOT_STARTED = 77
+CANDIDATES = ("float32", "mixed_bfloat16", "int8_from_float32", "int4_from_float32", "float8_from_float32")
 
 #: Column-parallel then row-parallel: the second layer sums across the model axis.
 SPECS = {".layers[0].kernel": P(None, "model"), ".layers[0].bias": P("model"),
@@ -77,7 +72,17 @@ def _model(mesh):
     return placed, jax.device_put(x, NamedSharding(mesh, P("data", None)))
 
 
-def _tune(model, x):
+def _start(process_id, port):
+    """Joins the two-process run, or exits with NOT_STARTED."""
+    try:
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                                   initialization_timeout=60)
+    except Exception as e:  # pylint: disable=broad-except
+        print(f"jax.distributed could not start: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(NOT_STARTED)
+
+
+def _tune(model, x, profile_accuracy, out_dir):
     reference = model(x)
     disagree = os.environ.get("AUTOPOLICY_TEST_DISAGREE") == "1"
 
@@ -85,17 +90,18 @@ def _tune(model, x):
         value = 1.0 - float(jnp.mean(jnp.abs(m(x).astype(jnp.float32) - reference)))
         return value + jax.process_index() if disagree else value
 
-    mine = os.path.join(OUT_DIR, f"p{PROCESS_ID}")
-    result = search.tune(model, fidelity, x, candidates=("float32", "mixed_bfloat16", "int8_from_float32"),
-                         max_drop=0.05, repeats=3, progress=False, profile_accuracy="always",
+    mine = os.path.join(out_dir, f"p{jax.process_index()}")
+    result = search.tune(model, fidelity, x, candidates=CANDIDATES,
+                         max_drop=0.05, repeats=3, progress=False, profile_accuracy=profile_accuracy,
                          cache_dir=os.path.join(mine, "cache"), confirm_seconds=1.0)
     result.save(os.path.join(mine, "run"))
     return result
 
 
-def main():
+def main(process_id, port, out_dir):
+    _start(process_id, port)
     _record_gathers()
-    if os.environ.get("AUTOPOLICY_TEST_SLOW_PROCESS") == str(PROCESS_ID):
+    if os.environ.get("AUTOPOLICY_TEST_SLOW_PROCESS") == str(process_id):
         _slow_down(float(os.environ.get("AUTOPOLICY_TEST_SLEEP_S", "0.01")))
     mesh = jax.make_mesh((2, 2), ("data", "model"))
     report = {"process_index": jax.process_index(), "process_count": jax.process_count(),
@@ -103,9 +109,9 @@ def main():
     try:
         with jax.set_mesh(mesh):
             model, x = _model(mesh)
-            first = _tune(model, x)
+            first = _tune(model, x, "always", out_dir)
             timed = len(gathers)
-            again = _tune(model, x)
+            again = _tune(model, x, "auto", out_dir)  # other paths to the map, the same timings
     except ValueError as e:
         report["error"] = str(e)
     else:
@@ -114,9 +120,9 @@ def main():
             "profile": first.profile[["layer", "policy", "latency_s", "latency_p25_s", "latency_p75_s"]].to_dict(
                 "records"),
             "gathers": gathers[:timed], "cache_again": again.cache_stats})
-    with open(os.path.join(OUT_DIR, f"process_{PROCESS_ID}.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out_dir, f"process_{process_id}.json"), "w", encoding="utf-8") as f:
         json.dump(report, f)
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

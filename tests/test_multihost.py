@@ -19,7 +19,7 @@ from autopolicy import _multihost
 
 WORKER = pathlib.Path(__file__).resolve().parent / "multihost_worker.py"
 SLEEP_S = 0.01
-NOT_STARTED = 77  # the worker's exit status when jax.distributed cannot start
+NOT_STARTED = 77  # multihost_worker.NOT_STARTED: jax.distributed could not start
 
 
 def _free_port():
@@ -46,7 +46,8 @@ def _run_two(out, **env):
                 p.kill()
     codes = [p.returncode for p in procs]
     if NOT_STARTED in codes:
-        pytest.skip("jax.distributed could not start two processes on 127.0.0.1: " + logs[codes.index(NOT_STARTED)][-500:])
+        log = logs[codes.index(NOT_STARTED)]
+        pytest.skip(f"jax.distributed could not start two processes on 127.0.0.1: {log[-500:]}")
     for i, (code, log) in enumerate(zip(codes, logs)):
         assert code == 0, f"process {i} exited with {code}:\n{log[-4000:]}"
     return [json.loads((out / f"process_{i}.json").read_text()) for i in (0, 1)]
@@ -58,7 +59,7 @@ def test_two_processes_tune_one_sharded_model_alike(tmp_path):
     assert first["process_count"] == 2 and first["devices"] == 4
     assert first["mesh_processes"] == [[0, 0], [1, 1]]  # the data axis spans the processes
     # The same decisions, from the same (gathered) timings.
-    assert first["map"] == second["map"] == first["map_again"] == second["map_again"]
+    assert first["map"] == second["map"] and first["map_again"] == second["map_again"]
     assert first["profile"] == second["profile"]
     # Each gathered timing is, element by element, the slower process's.
     assert len(first["gathers"]) == len(second["gathers"]) > 0
