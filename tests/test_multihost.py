@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from autopolicy import _multihost
+from autopolicy.search import result as result_mod
+from autopolicy.search.cache import MeasurementCache
 
 WORKER = pathlib.Path(__file__).resolve().parent / "multihost_worker.py"
 SLEEP_S = 0.01
@@ -125,3 +127,30 @@ def test_one_process_writes_and_reads_as_before(tmp_path):
     assert _multihost.from_leader({"x": [1, 2]}) == {"x": [1, 2]}
     np.testing.assert_array_equal(_multihost.host_array(np.arange(3)), [0, 1, 2])
     assert _multihost.gather_bytes(b"ab") == [b"ab"]
+
+
+def test_a_process_other_than_0_starts_from_process_0s_cache_and_writes_nothing(tmp_path, monkeypatch):
+    leader = {"error": None, "entries": {"k": {"latency_s": 1.0}}, "shared": {"s": 2.0}}
+    monkeypatch.setattr(_multihost, "count", lambda: 2)
+    monkeypatch.setattr(_multihost, "is_writer", lambda: False)
+    monkeypatch.setattr(_multihost, "from_leader", lambda mine: leader)
+    with MeasurementCache(tmp_path / "cache", tmp_path / "shared" / "measurements.json") as cache:
+        assert cache.lookup("k") == {"latency_s": 1.0} and cache.lookup("s") == 2.0
+        cache.put("new", 3.0, share=True)
+        cache.flush()
+    result_mod.write_summary(tmp_path / "run", {"a": 1})
+    assert not any(tmp_path.iterdir())  # no directory, lock, cache, shared file or summary
+    leader["error"] = "RunDirectoryLocked: held by process 123"
+    with pytest.raises(RuntimeError, match="Process 0 could not open the measurement cache: RunDirectoryLocked"):
+        MeasurementCache(tmp_path / "cache")
+
+
+def test_process_0_shares_its_cache_entries(tmp_path, monkeypatch):
+    with MeasurementCache(tmp_path) as cache:
+        cache.put("k", [1.0, float("nan")])
+    sent = []
+    monkeypatch.setattr(_multihost, "count", lambda: 2)
+    monkeypatch.setattr(_multihost, "from_leader", lambda mine: sent.append(mine) or mine)
+    with MeasurementCache(tmp_path) as cache:
+        assert cache.lookup("k")[0] == 1.0
+    assert sent[0]["error"] is None and "k" in sent[0]["entries"]

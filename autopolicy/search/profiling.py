@@ -264,7 +264,7 @@ def profile(
     layer_sites = sites(made.layers(), [policies.get(c) for c in candidates])
     if not layer_sites:
         raise ValueError("The model has no tunable layers.")
-    fingerprint = hardware.fingerprint()
+    fingerprint = _multihost.from_leader(hardware.fingerprint())  # process 0's: the same cache keys on each
     rows = []
     with MeasurementCache(cache_dir) as cache:
         for site in bar(progress, layer_sites, "latency", len(layer_sites)):

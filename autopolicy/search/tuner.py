@@ -166,6 +166,12 @@ def tune(
         is verified here. The model, ``eval_fn`` and calibration data travel to the workers
         with cloudpickle (:mod:`autopolicy.search.executor`). None: every evaluation here.
 
+    With several JAX processes (``jax.distributed``, a model sharded over a mesh that spans
+    them), call ``tune`` on every process with the same arguments: each timing sample is the
+    slowest process's (gathered), ``eval_fn`` must return the same value on every process
+    (checked), the chosen map is checked to be the same on each, and only process 0 reads and
+    writes ``cache_dir`` (the others start from its entries, broadcast) and saves the result.
+
     Returns:
       A :class:`TuneResult`. The map is never slower end to end than the best uniform policy
       that meets the budget: those are verified too and the fastest verified choice wins.
@@ -176,10 +182,13 @@ def tune(
         that raises or returns a non-finite value on it (a relative budget of a lower-is-better
         metric also needs it positive), a ``memory_budget`` no assignment meets (naming the
         least bytes achievable),
-        or when no configuration meets both budgets. Other configurations that fail to build,
+        or when no configuration meets both budgets; with several processes, for an ``eval_fn``
+        whose values differ between them, or an ``executor``. Other configurations that fail to build,
         run or be scored are excluded (the reason in their ``excluded`` field), not fatal.
       TypeError: for an ``eval_fn`` (or ``test_fn``) that returns something other than a real
         number (``"0.9"``), naming it.
+      RuntimeError: with several processes, if they chose different maps (a bug, or processes
+        given different inputs).
     """
     start = time.perf_counter()
     with Costs() as costs, phase("checks"):  # what follows, less the phases marked inside
