@@ -5,6 +5,7 @@ Also, without a second process: the gathering helpers of :mod:`autopolicy._multi
 gather replaced by one that returns several processes' values.
 """
 
+import csv
 import json
 import os
 import pathlib
@@ -73,6 +74,13 @@ def test_two_processes_tune_one_sharded_model_alike(tmp_path):
     for row in first["profile"]:
         assert row["latency_p25_s"] >= SLEEP_S, row
     assert min(np.min(g["local"]) for g in first["gathers"]) < SLEEP_S  # process 0's own
+    # And so are the files process 0 wrote: the run's profile and the cached layer timings.
+    with open(tmp_path / "p0" / "run" / "profile.csv", encoding="utf-8") as f:
+        written = list(csv.DictReader(f))
+    assert len(written) == len(first["profile"]) and all(float(r["latency_p25_s"]) >= SLEEP_S for r in written)
+    cached = json.loads((tmp_path / "p0" / "cache" / "measurements.json").read_text())
+    layer_timings = [v for v in cached.values() if isinstance(v, dict) and "latency_p25_s" in v]
+    assert layer_timings and all(v["latency_p25_s"] >= SLEEP_S for v in layer_timings)
     # Only process 0 wrote: its run directory and cache; process 1 created neither.
     assert sorted(os.listdir(tmp_path / "p0" / "run")) == ["frontier.csv", "policy_map.json", "profile.csv",
                                                             "summary.json"]
