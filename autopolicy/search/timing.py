@@ -208,7 +208,8 @@ class Timer:
                 taken[r, i] = _time_once(run) / inner
         self._cpu += _cpu_seconds() - cpu
         self._wall += time.perf_counter() - wall
-        taken = _multihost.slowest(taken)  # with several processes, each sample is the slowest's
+        if taken.size:  # with several processes, each sample is the slowest's
+            taken = _multihost.slowest(taken)
         for r in range(count):
             for i, name in enumerate(names):
                 self.samples[name].append(float(taken[r, i]))
