@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy import policies
+from autopolicy import _multihost, policies
 
 __all__ = [
     "MAX_REPEATS",
@@ -179,7 +179,8 @@ def check_metric(value: Any, what: str, finite: bool = True, fn_name: str = "eva
 
     Raises:
       TypeError: naming the value and its type, for anything that is not a real number.
-      ValueError: for a non-finite value when ``finite``.
+      ValueError: for a non-finite value when ``finite``; with several JAX processes, for
+        values that differ between them (every process must compute the same metric).
 
     >>> check_metric("0.9", "the float32 model")
     Traceback (most recent call last):
@@ -196,7 +197,8 @@ def check_metric(value: Any, what: str, finite: bool = True, fn_name: str = "eva
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
         raise TypeError(f"{fn_name} must return a real number (a float). It returned {shown} of type "
                         f"{type(value).__name__}{shape} for {what}.")
-    metric = float(value)
+    # With several JAX processes each returns its own: they must agree (checked, not averaged).
+    metric = _multihost.agreed(float(value), f"{fn_name}'s value for {what}")
     if finite and not math.isfinite(metric):
         raise ValueError(f"{fn_name} returned {metric!r} for {what}; it must return a finite number.")
     return metric

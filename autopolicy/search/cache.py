@@ -18,6 +18,10 @@ keyed by the hardware fingerprint and the layer's signature) are merged into it 
 (counted in ``shared_hits``, and copied into the run's own file so it stays complete).
 Concurrent runs merging at the same moment may lose each other's newest shared entries (they
 are measured again later), never corrupt the file (it is replaced atomically).
+
+With several JAX processes (``jax.distributed``), only process 0 locks, reads and writes the
+files; the others start from process 0's entries, broadcast, and keep theirs in memory (every
+process records the same measurements, gathered, so none is lost).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from autopolicy import _atomic, _interrupts, _json, _rundir
+from autopolicy import _atomic, _interrupts, _json, _multihost, _rundir
 
 __all__ = ["MeasurementCache", "key", "weights_digest"]
 
@@ -43,12 +47,28 @@ def key(*parts: Any) -> str:
 
 
 def weights_digest(tree: Any) -> str:
-    """A hash of every array (shape, dtype and bytes) in ``tree``."""
-    digest = hashlib.sha256()
+    """A hash of every array (shape, dtype and bytes) in ``tree``.
+
+    An array that spans processes contributes its shape, dtype, layout and this process's
+    shards (never the whole array, which no host may hold); the processes' partial digests are
+    then gathered and hashed together, so every process gets the same digest (a collective:
+    every process calls this in the same order). Such a digest differs from an unsharded one.
+    """
+    digest, spans = hashlib.sha256(), False
     for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            spans = True
+            digest.update(f"{leaf.shape}{leaf.dtype}{leaf.sharding}".encode())
+            for shard in sorted(leaf.addressable_shards, key=lambda s: str(s.index)):
+                digest.update(str(shard.index).encode())
+                digest.update(np.ascontiguousarray(np.asarray(shard.data)).view(np.uint8).tobytes())
+            continue
         arr = np.asarray(leaf)
         digest.update(f"{arr.shape}{arr.dtype}".encode())
         digest.update(np.ascontiguousarray(arr).view(np.uint8).tobytes())
+    if spans:
+        every = _multihost.gather_bytes(digest.digest())
+        digest = hashlib.sha256(b"".join(every))
     return digest.hexdigest()[:32]
 
 
@@ -93,6 +113,13 @@ class MeasurementCache:
         self._dirty = False
         self._closed = False
         self._lock: _rundir.RunLock | None = None
+        if _multihost.count() > 1:
+            self._open_on_leader(directory)
+        else:
+            self._open(directory)
+
+    def _open(self, directory: str | os.PathLike | None) -> None:
+        """Reads the shared file, locks ``directory`` and reads its entries."""
         if self.shared_path is not None:
             try:
                 self._shared = _read(self.shared_path)
@@ -107,6 +134,26 @@ class MeasurementCache:
         except BaseException:
             self._lock.release()
             raise
+
+    def _open_on_leader(self, directory: str | os.PathLike | None) -> None:
+        """With several JAX processes, process 0 alone opens the files (it alone writes them) and
+        every process starts from its entries, broadcast: all make the same cache hits, so all
+        time and score the same programs. The other processes keep theirs in memory only."""
+        error = None
+        if _multihost.is_writer():
+            try:
+                self._open(directory)
+            except Exception as e:  # pylint: disable=broad-except
+                error = e
+        else:
+            self.shared_path = None
+        state = _multihost.from_leader({"error": None if error is None else f"{type(error).__name__}: {error}",
+                                        "entries": self.entries, "shared": self._shared})
+        if error is not None:
+            raise error
+        if state["error"] is not None:
+            raise RuntimeError(f"Process 0 could not open the measurement cache: {state['error']}")
+        self.entries, self._shared = state["entries"], state["shared"]
 
     def get_or_measure(self, cache_key: str, measure: Callable[[], Any], share: bool = False) -> Any:
         """The cached value for ``cache_key``, or ``measure()`` (recorded, not yet flushed;

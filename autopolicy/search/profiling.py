@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy import policies
+from autopolicy import _multihost, policies
 from autopolicy.numerics import _sharding
 from autopolicy.search import timing
 from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
@@ -46,6 +46,8 @@ def sites(layers: Sequence[TunableLayer], candidates: Sequence[policies.DTypePol
 
 
 def _finite(out: Any) -> bool:
+    # jnp.all of an array that spans processes is a scalar replicated on every device: bool()
+    # reads this process's copy.
     return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(out)
                if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
 
@@ -65,7 +67,7 @@ def relative_error(reference: Any, output: Any) -> float:
     for r, o in zip(jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(output)):
         if not jnp.issubdtype(jnp.result_type(r), jnp.inexact):
             continue
-        r64, o64 = np.asarray(r, np.float64), np.asarray(o, np.float64)
+        r64, o64 = _multihost.host_array(r, np.float64), _multihost.host_array(o, np.float64)
         num += float(np.sum((o64 - r64) ** 2))
         den += float(np.sum(r64 ** 2))
     return num / den if den > 0 and math.isfinite(num) else math.nan
@@ -262,7 +264,7 @@ def profile(
     layer_sites = sites(made.layers(), [policies.get(c) for c in candidates])
     if not layer_sites:
         raise ValueError("The model has no tunable layers.")
-    fingerprint = hardware.fingerprint()
+    fingerprint = _multihost.from_leader(hardware.fingerprint())  # process 0's: the same cache keys on each
     rows = []
     with MeasurementCache(cache_dir) as cache:
         for site in bar(progress, layer_sites, "latency", len(layer_sites)):

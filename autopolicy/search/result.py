@@ -9,7 +9,7 @@ import math
 import os
 from typing import Any
 
-from autopolicy import _atomic, policies
+from autopolicy import _atomic, _multihost, policies
 
 __all__ = ["TuneResult", "write_run", "PROFILE_FILE", "FRONTIER_FILE", "MAP_FILE", "SUMMARY_FILE", "load_run",
            "write_summary"]
@@ -106,13 +106,18 @@ class TuneResult:
 
     def save(self, run_dir: str | os.PathLike) -> None:
         """Writes ``profile.csv``, ``frontier.csv``, ``policy_map.json`` (Keras envelope) and
-        ``summary.json`` into ``run_dir``, each atomically."""
+        ``summary.json`` into ``run_dir``, each atomically. With several JAX processes only
+        process 0 writes (every process holds the same result; the others write nothing)."""
         write_run(run_dir, self.policy_map, self.profile, self.frontier, self.summary)
 
 
 def write_run(run_dir: str | os.PathLike, policy_map: policies.DTypePolicyMap, profile: Any, frontier: Any,
               summary: dict[str, Any]) -> None:
-    """Writes a run directory's four files, each atomically (``TuneResult.save`` uses it)."""
+    """Writes a run directory's four files, each atomically (``TuneResult.save`` uses it).
+
+    With several JAX processes only process 0 writes (the others hold the same result)."""
+    if not _multihost.is_writer():
+        return
     os.makedirs(run_dir, exist_ok=True)
     _atomic.write_text(os.path.join(run_dir, PROFILE_FILE), profile.to_csv(index=False))
     _atomic.write_text(os.path.join(run_dir, FRONTIER_FILE), frontier.to_csv(index=False))
@@ -121,7 +126,10 @@ def write_run(run_dir: str | os.PathLike, policy_map: policies.DTypePolicyMap, p
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> None:
-    """Rewrites ``summary.json`` alone, atomically (figures known after :func:`write_run`)."""
+    """Rewrites ``summary.json`` alone, atomically (figures known after :func:`write_run`);
+    only process 0 writes."""
+    if not _multihost.is_writer():
+        return
     _atomic.write_json(os.path.join(run_dir, SUMMARY_FILE), _json_safe(summary))
 
 

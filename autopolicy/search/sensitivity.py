@@ -15,13 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autopolicy import _multihost
 from autopolicy.search import _checks
 
 __all__ = ["fidelity", "check_metric", "Scorer"]
 
 
 def _floating_leaves(tree: Any) -> list[np.ndarray]:
-    return [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(tree)
+    # An output that spans processes is read whole on every process (each computes the same figures).
+    return [_multihost.host_array(x, np.float64) for x in jax.tree_util.tree_leaves(tree)
             if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
 
 

@@ -5,6 +5,12 @@ per timed call. Every iteration perturbs its input by ``eps * carry`` where ``ep
 runtime zero and ``carry`` depends on the previous output, and every output is carried out of
 the loop: XLA can neither hoist the work out of the loop nor drop any of it. Candidates are timed round-robin in a fresh
 random order each round, so drift (thermal, other processes) hits them alike.
+
+With several JAX processes (``jax.distributed``) every process times the same programs in the
+same order (the rounds' order is seeded, the number of calls per timed call agreed), and each
+sample is the slowest process's (:func:`autopolicy._multihost.slowest`): a program over a mesh
+that spans hosts is as fast as its slowest host, and every process then holds the same samples,
+so every decision made from them is the same on each.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autopolicy import _multihost
 from autopolicy.numerics import _sharding
 
 __all__ = ["Timing", "Candidate", "Timer", "compile_loop", "measure", "summarize"]
@@ -182,7 +189,8 @@ class Timer:
                 raise ValueError(f"Timer already has a candidate named {name!r}.")
             runner = compile_loop(cand)
             runner(1)
-            estimate = min(_time_once(lambda: runner(1)) for _ in range(3))
+            # The slowest process's estimate: every process must run the same number of calls.
+            estimate = float(_multihost.slowest([min(_time_once(lambda: runner(1)) for _ in range(3))])[0])
             inner = int(min(MAX_INNER, max(1, math.ceil(self.target_seconds / max(estimate, 1e-7)))))
             self.runners[name] = (functools.partial(runner, inner), inner)
             self.samples[name] = []
@@ -193,12 +201,18 @@ class Timer:
         """Times ``count`` more rounds of ``names`` (default: every candidate)."""
         names = list(self.runners) if names is None else list(names)
         cpu, wall = _cpu_seconds(), time.perf_counter()
-        for _ in range(count):
+        taken = np.zeros((count, len(names)))
+        for r in range(count):
             for i in self._rng.permutation(len(names)):
                 run, inner = self.runners[names[i]]
-                self.samples[names[i]].append(_time_once(run) / inner)
+                taken[r, i] = _time_once(run) / inner
         self._cpu += _cpu_seconds() - cpu
         self._wall += time.perf_counter() - wall
+        if taken.size:  # with several processes, each sample is the slowest's
+            taken = _multihost.slowest(taken)
+        for r in range(count):
+            for i, name in enumerate(names):
+                self.samples[name].append(float(taken[r, i]))
 
     def timing(self, name: str) -> Timing:
         return summarize(self.samples[name], self.runners[name][1])

@@ -12,7 +12,7 @@ import time
 import numpy as np
 from typing import Any, Callable, Iterable, Sequence
 
-from autopolicy import _json, policies
+from autopolicy import _json, _multihost, policies
 from autopolicy.search import _checks, accuracy as accuracy_phase, executor as executor_mod, hardware, latency_model, noise, profiling, verify
 from autopolicy.search.costs import Costs, phase
 from autopolicy.search._context import Context
@@ -166,6 +166,12 @@ def tune(
         is verified here. The model, ``eval_fn`` and calibration data travel to the workers
         with cloudpickle (:mod:`autopolicy.search.executor`). None: every evaluation here.
 
+    With several JAX processes (``jax.distributed``, a model sharded over a mesh that spans
+    them), call ``tune`` on every process with the same arguments: each timing sample is the
+    slowest process's (gathered), ``eval_fn`` must return the same value on every process
+    (checked), the chosen map is checked to be the same on each, and only process 0 reads and
+    writes ``cache_dir`` (the others start from its entries, broadcast) and saves the result.
+
     Returns:
       A :class:`TuneResult`. The map is never slower end to end than the best uniform policy
       that meets the budget: those are verified too and the fastest verified choice wins.
@@ -176,10 +182,13 @@ def tune(
         that raises or returns a non-finite value on it (a relative budget of a lower-is-better
         metric also needs it positive), a ``memory_budget`` no assignment meets (naming the
         least bytes achievable),
-        or when no configuration meets both budgets. Other configurations that fail to build,
+        or when no configuration meets both budgets; with several processes, for an ``eval_fn``
+        whose values differ between them, or an ``executor``. Other configurations that fail to build,
         run or be scored are excluded (the reason in their ``excluded`` field), not fatal.
       TypeError: for an ``eval_fn`` (or ``test_fn``) that returns something other than a real
         number (``"0.9"``), naming it.
+      RuntimeError: with several processes, if they chose different maps (a bug, or processes
+        given different inputs).
     """
     start = time.perf_counter()
     with Costs() as costs, phase("checks"):  # what follows, less the phases marked inside
@@ -190,6 +199,10 @@ def tune(
         if executor is not None and not callable(getattr(executor, "submit", None)):
             raise TypeError(f"executor must be a concurrent.futures.Executor (an object with submit(fn, *args) "
                             f"returning a future), or None. Received: executor={executor!r}")
+        if executor is not None and _multihost.count() > 1:
+            raise ValueError(f"executor cannot be used with several JAX processes (jax.process_count()="
+                             f"{_multihost.count()}): a worker cannot join the processes' programs. Pass "
+                             "executor=None; every process then scores its share of the same programs.")
         args = _checks.check_sample_input(sample_input)
         if profile_accuracy not in PROFILE_ACCURACY:
             raise ValueError(f"profile_accuracy must be one of {list(PROFILE_ACCURACY)}. "
@@ -200,7 +213,8 @@ def tune(
         if not layer_sites:
             raise ValueError("The model has no tunable layers (Dense, EinsumDense, Conv2D, Embedding, ...).")
         detected = hardware.detect()
-        fingerprint = hardware.fingerprint(detected)
+        # Process 0's: every process must find the same measurements in the cache.
+        fingerprint = _multihost.from_leader(hardware.fingerprint(detected))
         # The cache (its directory checked and locked) before any evaluation or measurement.
         with MeasurementCache(cache_dir, _shared_file(shared_cache_dir)) as cache:
             reference_model, scorer = _reference(made, eval_fn, calibration)
@@ -266,6 +280,8 @@ def tune(
                            "report_only": report_only, "total": total, "on_workers": accuracy.remote}
             with phase("verify"):
                 test = _test_metrics(test_fn, reference_model, models[winner.name])
+            _multihost.check_same([policies.serialize(winner.policy_map), winner.name, list(decisions)],
+                                  "the chosen map and the decisions")
             return TuneResult(
                 policy_map=winner.policy_map, model=models[winner.name], latency=latency, accuracy=accuracy,
                 configurations=tuple(entries), chosen=winner, budget=ctx.budget, hardware=detected,
