@@ -30,3 +30,18 @@ def assert_bit_identical(a, b):
         x, y = np.asarray(x), np.asarray(y)
         assert x.dtype == y.dtype and x.shape == y.shape
         assert np.array_equal(x, y, equal_nan=True) and x.tobytes() == y.tobytes()
+
+
+def tiny_two_layer():
+    """A 16 -> 32 (relu) -> 4 ``nn`` MLP on 64 seeded rows, and its fidelity metric: 1 minus the
+    mean absolute difference from its float32 outputs (the executor tests' model)."""
+    from autopolicy import nn  # pylint: disable=import-outside-toplevel
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 16)), jnp.float32)
+    model = nn.Sequential([nn.Dense(32, activation="relu"), nn.Dense(4)], name="tiny").build(jax.random.key(0), x)
+    reference = model(x)
+
+    def fidelity(m):
+        return 1.0 - float(jnp.mean(jnp.abs(m(x).astype(jnp.float32) - reference)))
+
+    return model, fidelity, x

@@ -7,16 +7,15 @@ cluster: a local Ray (``num_cpus=2``) and a Dask ``LocalCluster``."""
 import concurrent.futures
 import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
+
+import helpers
 
 ray = pytest.importorskip("ray", reason="the distributed extra is not installed: pip install -e '.[distributed]'")
 dask_distributed = pytest.importorskip("dask.distributed",
                                        reason="the distributed extra is not installed: pip install -e '.[distributed]'")
 
-from autopolicy import distributed, nn, search  # noqa: E402  pylint: disable=wrong-import-position
+from autopolicy import distributed, search  # noqa: E402  pylint: disable=wrong-import-position
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -32,14 +31,7 @@ CANDIDATES = ("float32", "mixed_bfloat16", "int8_from_float32")
 
 @pytest.fixture(scope="module")
 def tiny():
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 16)), jnp.float32)
-    model = nn.Sequential([nn.Dense(32, activation="relu"), nn.Dense(4)], name="tiny").build(jax.random.key(0), x)
-    reference = model(x)
-
-    def fidelity(m):
-        return 1.0 - float(jnp.mean(jnp.abs(m(x).astype(jnp.float32) - reference)))
-
-    return model, fidelity, x
+    return helpers.tiny_two_layer()
 
 
 def _tune(tiny, eval_fn=None, **kwargs):

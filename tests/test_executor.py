@@ -9,12 +9,11 @@ import pathlib
 import subprocess
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from autopolicy import cli, distributed, nn, search
+import helpers
+
+from autopolicy import cli, distributed, search
 from autopolicy.search import executor as executor_mod
 from autopolicy.search.phases import Status
 
@@ -24,14 +23,7 @@ CANDIDATES = ("float32", "mixed_bfloat16", "int8_from_float32")
 
 @pytest.fixture(scope="module")
 def tiny():
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 16)), jnp.float32)
-    model = nn.Sequential([nn.Dense(32, activation="relu"), nn.Dense(4)], name="tiny").build(jax.random.key(0), x)
-    reference = model(x)
-
-    def fidelity(m):
-        return 1.0 - float(jnp.mean(jnp.abs(m(x).astype(jnp.float32) - reference)))
-
-    return model, fidelity, x
+    return helpers.tiny_two_layer()
 
 
 def _tune(tiny, **kwargs):
