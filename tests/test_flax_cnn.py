@@ -80,3 +80,38 @@ def test_tune_gives_convs_only_the_modes_qwix_runs_on_convs(exp):
         assert mode in (None, "int8", "float8"), (path, entries.get(path))
     tuned = af.apply_policy_map(exp.model, result.policy_map, exp.sample_input)
     assert exp.eval_fn(tuned) >= exp.eval_fn(exp.model) - exp.max_drop
+
+
+def test_a_layer_of_a_quantized_model_cannot_be_called_alone_quantized_layer_can(exp, x):
+    """Qwix quantizes the ops inside the tuned model's own call: a submodule called directly meets
+    Qwix's quantized parameters (WithAux) in plain Flax code. `quantized_layer` is the way."""
+    tuned = af.apply_policy_map(exp.model, {"conv1": "int8_from_float32"}, x)
+    assert tuned(x).shape == (32, 10)
+    assert type(tuned.conv1.kernel).__name__ == "WithAux"
+    with pytest.raises(ValueError, match="setting an array element with a sequence"):  # qwix 0.1.8, flax 0.12.8
+        tuned.conv1(x)
+    layer = af.quantized_layer(exp.model, "conv1", "int8_from_float32", x)
+    inside = af.record_calls(tuned, x)["conv1"].output  # conv1's output within the tuned model's call
+    np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(inside), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(np.asarray(layer(x)), np.asarray(exp.model.conv1(x)), rtol=0, atol=1e-6)
+    assert af.quantized_layer(exp.model, "hidden", "mixed_bfloat16")(jnp.ones((2, 1024))).dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match=r"'conv9' is not a tunable layer of the model: .*\['conv1', 'conv2'"):
+        af.quantized_layer(exp.model, "conv9", "int8_from_float32", x)
+    with pytest.raises(ValueError, match=r"Quantizing 'conv1' to 'int8_from_float32' needs sample_args"):
+        af.quantized_layer(exp.model, "conv1", "int8_from_float32")
+
+
+def test_qwix_refuses_a_weight_only_or_int4_conv_the_adapter_never_asks(exp, x):
+    """Qwix 0.1.8 quantizes a convolution only with the same type for inputs and weights."""
+    for fields in ({"weight_qtype": jnp.int8}, {"weight_qtype": jnp.int4, "act_qtype": jnp.int8}):
+        provider = qwix.PtqProvider([qwix.QuantizationRule(module_path="conv1", **fields)])
+        with pytest.raises(ValueError, match="conv_general_dilated requires same act_qtype and weight_qtype"):
+            af._quantize(nnx.clone(exp.model), provider, x)
+    adapter = af.FlaxAdapter(exp.model, (x,), [])
+    for mode in adapter.layers()[0].modes:  # the conv's modes: every rule quantizes both to one type
+        fields = af.rule_fields("conv1", f"{mode}_from_float32")
+        assert fields["act_qtype"] == fields["weight_qtype"]
+    for policy in ("int4_from_float32", "int4/32_from_float32"):
+        with pytest.raises(ValueError, match=rf"'conv1' \(Conv\) cannot run '{policy}' \(Qwix quantizes a "
+                                             r"convolution's inputs and weights to one type.*float policy"):
+            af.apply_policy_map(exp.model, {"conv1": policy}, x)
