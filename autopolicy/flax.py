@@ -23,5 +23,5 @@ from autopolicy.adapters._flax_save import load, save
 from autopolicy.adapters.flax import (FlaxAdapter, apply_policy_map, quantized_layer, qwix_rules, rules_to_json,
                                       rules_to_python)
 
-__all__ = ["FlaxAdapter", "apply_policy_map", "quantized_layer", "qwix_rules", "rules_to_json", "rules_to_python", "save",
-           "load"]
+__all__ = ["FlaxAdapter", "apply_policy_map", "quantized_layer", "qwix_rules", "rules_to_json", "rules_to_python",
+           "save", "load"]
