@@ -20,6 +20,8 @@ as ``autopolicy.flax`` on first use. ``autopolicy.search.tune`` accepts an NNX m
 """
 
 from autopolicy.adapters._flax_save import load, save
-from autopolicy.adapters.flax import FlaxAdapter, apply_policy_map, qwix_rules, rules_to_json, rules_to_python
+from autopolicy.adapters.flax import (FlaxAdapter, apply_policy_map, quantized_layer, qwix_rules, rules_to_json,
+                                      rules_to_python)
 
-__all__ = ["FlaxAdapter", "apply_policy_map", "qwix_rules", "rules_to_json", "rules_to_python", "save", "load"]
+__all__ = ["FlaxAdapter", "apply_policy_map", "quantized_layer", "qwix_rules", "rules_to_json", "rules_to_python",
+           "save", "load"]

@@ -34,7 +34,8 @@ from autopolicy.search import _checks
 from autopolicy.search.adapter import (Program, TunableLayer, cast_floating, digest_arrays, register_adapter,
                                        shapes_and_dtypes)
 
-__all__ = ["FlaxAdapter", "record_calls", "qwix_rules", "rules_to_json", "rules_to_python", "apply_policy_map"]
+__all__ = ["FlaxAdapter", "record_calls", "qwix_rules", "rules_to_json", "rules_to_python", "apply_policy_map",
+           "quantized_layer"]
 
 FLOAT32 = policies.DEFAULT_POLICY_NAME
 
@@ -147,6 +148,16 @@ def _compute_dtype(policy: policies.DTypePolicy) -> str:
     return policies.get(getattr(policy, "source_name", policy.name)).compute_dtype
 
 
+def _check_mode(path: str, module: nnx.Module, policy: policies.DTypePolicy) -> None:
+    """Raises ValueError naming the layer and the policy if the layer cannot run it through Qwix."""
+    mode, modes = policy.quantization_mode, MODES[_kind(module)]
+    if mode is not None and mode not in modes:
+        why = (" (Qwix quantizes a convolution's inputs and weights to one type: no int4 or weight-only rule)"
+               if _kind(module) is nnx.Conv else "")
+        raise ValueError(f"The layer {path!r} ({type(module).__name__}) cannot run {policy.name!r}{why}. Give it "
+                         f"a policy of its quantization modes {modes} or a float policy.")
+
+
 def apply_policy_map(model: nnx.Module, policy_map: Any, *sample_args: Any) -> nnx.Module:
     """A new NNX model running under ``policy_map`` (the user's model is untouched).
 
@@ -165,10 +176,7 @@ def apply_policy_map(model: nnx.Module, policy_map: Any, *sample_args: Any) -> n
         raise ValueError(f"The map names layers the model lacks: {missing}. Its tunable layers: {sorted(modules)}")
     entries = {p: policies.get(v) for p, v in entries.items()}
     for path, policy in entries.items():
-        mode = policy.quantization_mode
-        if mode is not None and mode not in MODES[_kind(modules[path])]:
-            raise ValueError(f"The layer {path!r} ({type(modules[path]).__name__}) cannot run {policy.name!r}. Its "
-                             f"quantization modes: {MODES[_kind(modules[path])]} (and float policies).")
+        _check_mode(path, modules[path], policy)
     tuned = nnx.clone(model)
     _set_dtypes(tuned, {p: _compute_dtype(entries.get(p, policies.get(FLOAT32))) for p in modules})
     rules = qwix_rules({p: v for p, v in entries.items() if v.quantization_mode is not None})
@@ -183,6 +191,39 @@ def apply_policy_map(model: nnx.Module, policy_map: Any, *sample_args: Any) -> n
         raise ValueError(f"Qwix left rules unused (no op of those layers was quantized): "
                          f"{[r.module_path for r in unused]}")
     return tuned
+
+
+def quantized_layer(model: nnx.Module, path: str, policy: Any, *sample_args: Any, **sample_kwargs: Any) -> nnx.Module:
+    """The layer at ``path`` of the float ``model``, alone, running ``policy``: a module that can be
+    called directly (on inputs like ``sample_args``).
+
+    A layer of a model from :func:`apply_policy_map` cannot be: Qwix quantizes the ops inside the
+    model's own call, so ``tuned.layer(x)`` meets Qwix's quantized parameters outside it (Qwix 0.1.8:
+    ``ValueError: setting an array element with a sequence``). This quantizes the layer as the
+    tuned model runs it (the same rule, matched at the layer's root); it is how the tuner times one.
+
+    Raises:
+      ValueError: naming ``path`` if it is not a tunable layer of ``model``, or ``policy`` if the
+        layer cannot run it.
+    """
+    _check_model(model)
+    modules = tunable_modules(model)
+    if path not in modules:
+        raise ValueError(f"{path!r} is not a tunable layer of the model: pass a path of the float model, one of "
+                         f"{sorted(modules)}")
+    policy = policies.get(policy)
+    _check_mode(path, modules[path], policy)
+    module = nnx.clone(modules[path])
+    _retype(module, _compute_dtype(policy))
+    fields = rule_fields("", policy)
+    if fields is None:
+        return module
+    if not sample_args and not sample_kwargs:
+        raise ValueError(f"Quantizing {path!r} to {policy.name!r} needs sample_args: Qwix quantizes a module by "
+                         "calling it once.")
+    rule = qwix.QuantizationRule(**{**fields, "module_path": ".*", "weight_qtype": jnp.dtype(fields["weight_qtype"]),
+                                    "act_qtype": jnp.dtype(fields["act_qtype"])})
+    return _quantize(module, qwix.PtqProvider([rule]), *sample_args, **sample_kwargs)
 
 
 def _quantize(model: nnx.Module, provider: Any, *args: Any, **kwargs: Any) -> nnx.Module:
