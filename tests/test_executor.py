@@ -9,11 +9,12 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import helpers
 
-from autopolicy import cli, distributed, search
+from autopolicy import cli, distributed, nn, search
 from autopolicy.search import executor as executor_mod
 from autopolicy.search.phases import Status
 
@@ -199,3 +200,26 @@ def test_the_command_line_scores_on_worker_processes(tmp_path):
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["evaluations"]["on_workers"] == 4 and summary["evaluations"]["profile"] == 4
+
+
+def test_a_workload_from_an_experiment_file_pickles_its_functions_by_value(tmp_path):
+    # The model's class and eval_fn both come from one experiment file loaded from a path: the
+    # module travels by value (once), and the bytes load in a process that cannot import it.
+    (tmp_path / "exp_by_path.py").write_text(
+        "import jax, jax.numpy as jnp\n"
+        "from autopolicy import nn\n"
+        "class Scaled(nn.Sequential):\n"
+        "    pass\n"
+        "def fidelity(m):\n"
+        "    return 1.0\n")
+    from autopolicy import experiment  # pylint: disable=import-outside-toplevel
+
+    module = experiment._import(tmp_path / "exp_by_path.py")  # pylint: disable=protected-access
+    x = jax.numpy.ones((2, 3))
+    model = module.Scaled([nn.Dense(2)], name="s").build(jax.random.key(0), x)
+    blob = executor_mod.Workload(model, module.fidelity, (x,), [(x,)], None, None).dumps()
+    code = ("import sys, cloudpickle; w = cloudpickle.loads(sys.stdin.buffer.read()); "
+            "print(type(w.model).__name__, w.eval_fn(w.model))")
+    proc = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().split() == ["Scaled", "1.0"]

@@ -91,7 +91,8 @@ class Workload:
         travel by value)."""
         import cloudpickle  # pylint: disable=import-outside-toplevel
 
-        by_value = [m for m in _modules_of(self.eval_fn, self.model, self.adapter_factory) if not _importable(m)]
+        modules = {id(m): m for m in _modules_of(self.eval_fn, self.model, self.adapter_factory)}.values()
+        by_value = [m for m in modules if not _importable(m)]  # each once: cloudpickle counts no registrations
         for module in by_value:
             cloudpickle.register_pickle_by_value(module)
         try:
