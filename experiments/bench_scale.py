@@ -14,7 +14,7 @@ Two parts, each in its own process (a process's JAX device count is fixed at sta
   measured cost of one evaluation it projects, on paper, the SmolLM2 table on 8 and 64 workers.
 
     python experiments/bench_scale.py                      # both parts
-    python experiments/bench_scale.py workers --workers 1,2 --candidates int8_from_float32,mixed_bfloat16
+    python experiments/bench_scale.py workers --workers 1,2,ray:2 --candidates int8_from_float32,mixed_bfloat16
 
 Prints tables in Markdown (reports/scale.md is this output, with the machine named).
 """
@@ -126,13 +126,27 @@ def _workers(args: argparse.Namespace) -> None:
     print("| executor | sensitivity phase (s) | speed-up | efficiency | whole tune (s) | scores identical |")
     print("|---|---|---|---|---|---|")
     print(f"| none (this process) | {phase:.1f} | 1.00x | - | {base_wall:.0f} | - |")
-    for n in [int(w) for w in args.workers.split(",")]:
-        with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-            result, wall = run(pool)
+    for spec in args.workers.split(","):
+        engine, _, count = spec.rpartition(":")
+        n = int(count)
+        if engine == "ray":  # a local Ray cluster of n CPUs, one actor each
+            import ray  # pylint: disable=import-outside-toplevel
+
+            from autopolicy.distributed import RayExecutor  # pylint: disable=import-outside-toplevel
+
+            ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False)
+            try:
+                with RayExecutor(num_workers=n) as actors:
+                    result, wall = run(actors)
+            finally:
+                ray.shutdown()
+        else:
+            with concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+                result, wall = run(pool)
         seconds = result.costs["phases_s"]["sensitivity"]
         same = result.accuracy.entries == base.accuracy.entries
-        print(f"| processes:{n} | {seconds:.1f} | {phase / seconds:.2f}x | {phase / seconds / n:.0%} | {wall:.0f} | "
-              f"{'yes' if same else 'NO'} |")
+        print(f"| {engine or 'processes'}:{n} | {seconds:.1f} | {phase / seconds:.2f}x | {phase / seconds / n:.0%} | "
+              f"{wall:.0f} | {'yes' if same else 'NO'} |")
     print(f"\n{evaluations} one-layer evaluations, {per_eval:.2f} s each on this process (the workers' times include "
           "loading the model once per worker and compiling each candidate there).\n")
     if args.smollm2_eval_s:
@@ -148,7 +162,8 @@ def _workers(args: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", nargs="?", choices=("all", "sharded", "workers"), default="all")
-    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts for processes:N")
+    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts for processes:N; "
+                        "ray:N for N Ray actors (the distributed extra)")
     parser.add_argument("--candidates", default="int8_from_float32,mixed_bfloat16,int4_from_float32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-minilm", dest="minilm", action="store_false",
