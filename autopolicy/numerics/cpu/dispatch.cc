@@ -1,4 +1,5 @@
 // The run-time choice of instruction-set path: the CPU's features decide, never the build.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -7,9 +8,9 @@
 namespace autopolicy_cpu {
 namespace {
 
-const Path kPortable{"portable", int8_portable, int4_portable};
+const Path kPortable{"portable", int8_portable, int4_portable, nullptr, nullptr};
 #if defined(__x86_64__)
-const Path kAvx2{"avx2", int8_avx2, int4_avx2};
+const Path kAvx2{"avx2", int8_avx2, int4_avx2, int8_gemm_avx2, int4_gemm_avx2};
 #endif
 
 bool cpu_has(const char* name) {
@@ -43,6 +44,9 @@ const Path* best() {
 
 const Path* g_path = nullptr;
 
+constexpr int64_t kDefaultGemmMinRows = 8;
+int64_t g_gemm_min_rows = -1;
+
 }  // namespace
 
 const Path& current_path() {
@@ -56,6 +60,16 @@ bool set_path(const char* name) {
   g_path = path;
   return true;
 }
+
+int64_t gemm_min_rows() {
+  if (g_gemm_min_rows < 0) {
+    const char* forced = std::getenv("AUTOPOLICY_CPU_GEMM_MIN_ROWS");
+    g_gemm_min_rows = forced != nullptr && *forced != '\0' ? std::max<int64_t>(1, std::atoll(forced)) : kDefaultGemmMinRows;
+  }
+  return g_gemm_min_rows;
+}
+
+void set_gemm_min_rows(int64_t rows) { g_gemm_min_rows = rows < 1 ? kDefaultGemmMinRows : rows; }
 
 bool path_supported(const char* name) { return by_name(name) != nullptr && cpu_has(name); }
 

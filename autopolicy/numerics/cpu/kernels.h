@@ -22,11 +22,39 @@ using Int8Fn = void (*)(const int8_t* x, int64_t m, int64_t k, const int8_t* w, 
 using Int4Fn = void (*)(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                         const float* scale, int64_t n0, int64_t n1, float* out);
 
+// The GEMM for many rows (gemm_avx2.cc): x packed once per call by pack_x_pairs, each call then
+// computing rows [r0, r1) (r0 a multiple of kGemmRows) and columns [n0, n1) of the same output.
+using Int8GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0,
+                            int64_t r1, int64_t n0, int64_t n1, int32_t* acc);
+using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+                            const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
+
+// The GEMM's blocking: a register tile of kGemmRows x kGemmStrip int32 sums, K chunks of
+// kGemmDepth rows (an even number) packed for at most kGemmCols columns a task.
+constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 256, kGemmCols = 384;
+
 struct Path {
   const char* name;
   Int8Fn int8;
   Int4Fn int4;
+  Int8GemmFn int8_gemm;  // null: the path has none (its int8/int4 kernels serve every M)
+  Int4GemmFn int4_gemm;
 };
+
+// x (m, k) as kGemmRows-row panels of K pairs, each pair (x[2p], x[2p + 1]) one int32 word of two
+// int16 (low: even row); rows past m and the pad of an odd K are zero. a: ceil(m / kGemmRows) *
+// kGemmRows * ceil(k / 2) words, [panel][pair][row].
+void pack_x_pairs(const int8_t* x, int64_t m, int64_t k, int32_t* a);
+void int8_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
+                    int64_t n0, int64_t n1, int32_t* acc);
+void int4_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+                    const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
+
+// The fewest rows of x for which the FFI calls the GEMM (where the path has one); below, the
+// streaming kernels. Measured (reports/cpu-kernels-amd-epyc-avx2-2c.md); set_gemm_min_rows
+// overrides it (tests, benchmarks), AUTOPOLICY_CPU_GEMM_MIN_ROWS at load.
+int64_t gemm_min_rows();
+void set_gemm_min_rows(int64_t rows);
 
 // The portable reference path (plain C++).
 void int8_portable(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1,
