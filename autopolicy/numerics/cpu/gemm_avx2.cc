@@ -4,10 +4,12 @@
 //   - x is packed once per call (pack_x_pairs, before the work is split) into panels of kGemmRows
 //     rows, each K pair (x[2p], x[2p+1]) as one int32 word holding two int16: [panel][pair][row];
 //   - each task (a block of rows times a block of at most kGemmCols columns) packs the weights of
-//     one K chunk (kGemmDepth rows, or a block of int4 scales) into strips of kGemmStrip columns,
-//     each K pair of a column as two int16 in one int32 word: [strip][pair][column], int4 nibbles
-//     unpacked to int16 there; the chunk (K chunk x column block, at most 192 KB) stays in L2 and
-//     the strip the micro-kernel walks (at most 12 KB) in L1;
+//     one K chunk at a time into strips of kGemmStrip columns, each K pair of a column as two int16
+//     in one int32 word: [strip][pair][column], int4 nibbles unpacked to int16 there; the chunk
+//     (about kGemmPanelBytes: fewer K rows for wider blocks) stays in L2 and the strip the
+//     micro-kernel walks (at most 12 KB) in L1. Wide column blocks matter: packing reads a piece
+//     of each weight row, and rows are a page apart at N = 4096, so short pieces leave the
+//     hardware prefetchers nothing to stream and packing waits on memory latency;
 //   - the micro-kernel holds a 4 x 24 tile of int32 sums in 12 YMM registers: per K pair it loads
 //     3 weight vectors and broadcasts 4 x words, and runs 12 vpmaddwd (exact for every int8 value,
 //     -128 included: unlike vpmaddubsw nothing saturates) and 12 vpaddd;
@@ -197,6 +199,13 @@ void scale_tile(const int32_t* tile, int64_t rows, int64_t cols, const float* sc
 
 thread_local std::vector<int32_t> t_panel, t_scratch;
 
+// The K pairs of one packed chunk for `width` columns: the chunk (pairs x width int32 words) near
+// kGemmPanelBytes, so it stays in L2, and wide column blocks read long pieces of each weight row.
+int64_t chunk_pairs(int64_t width) {
+  const int64_t padded = (width + NR - 1) / NR * NR;
+  return std::max<int64_t>(8, std::min<int64_t>(kGemmDepth / 2, kGemmPanelBytes / 4 / padded));
+}
+
 int32_t* panel_buffer(int64_t pairs, int64_t width) {
   const size_t need = static_cast<size_t>(pairs * ((width + NR - 1) / NR) * NR);
   if (t_panel.size() < need) t_panel.resize(need);
@@ -207,7 +216,7 @@ int32_t* panel_buffer(int64_t pairs, int64_t width) {
 
 void int8_gemm_avx2(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
                     int64_t n0, int64_t n1, int32_t* acc) {
-  const int64_t pairs = (k + 1) / 2, depth = kGemmDepth / 2;
+  const int64_t pairs = (k + 1) / 2, depth = chunk_pairs(n1 - n0);
   int32_t* b = panel_buffer(std::min(depth, pairs), n1 - n0);
   alignas(32) int32_t tile[MR * NR];
   for (int64_t p0 = 0; p0 < pairs; p0 += depth) {
@@ -234,47 +243,53 @@ void int8_gemm_avx2(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int
   }
 }
 
+// int4: a chunk holds whole blocks where blocks are short (each tile then runs its blocks one
+// after the other, each ending in the scale epilogue), or part of one long block (its int32 sums
+// wait in a scratch between chunks).
 void int4_gemm_avx2(const int32_t* a, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                     const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out) {
-  const int64_t pairs = (k + 1) / 2, depth = kGemmDepth / 2, width = n1 - n0;
+  const int64_t pairs = (k + 1) / 2, width = n1 - n0;
   const int64_t groups = (k + block - 1) / block;
+  const int64_t block_pairs = groups == 1 ? pairs : block / 2;  // blocks are even or one
+  int64_t depth = chunk_pairs(width);
+  if (block_pairs <= depth) depth = depth / block_pairs * block_pairs;
   int32_t* b = panel_buffer(std::min(depth, pairs), width);
-  // The int32 sums of a block longer than one chunk, between its chunks: rows [r0, r1), width.
   int32_t* scratch = nullptr;
-  if (groups == 1 ? pairs > depth : block / 2 > depth) {
+  if (block_pairs > depth) {
     const size_t need = static_cast<size_t>((r1 - r0) * width);
     if (t_scratch.size() < need) t_scratch.resize(need);
     scratch = t_scratch.data();
   }
   alignas(32) int32_t tile[MR * NR];
-  for (int64_t g = 0; g < groups; ++g) {
-    // The block's pairs (blocks are even or one, so a pair never straddles two).
-    const int64_t g0 = groups == 1 ? 0 : g * block / 2;
-    const int64_t g1 = groups == 1 ? pairs : std::min(pairs, (g + 1) * block / 2);
-    for (int64_t p0 = g0; p0 < g1; p0 += depth) {
-      const int64_t p1 = std::min(g1, p0 + depth), chunk = p1 - p0;
-      const bool starts = p0 == g0, ends = p1 == g1;
-      pack_int4(w, n, p0, p1, n0, n1, b);
-      for (int64_t c = n0; c < n1; c += NR) {
-        const int32_t* strip = b + ((c - n0) / NR) * chunk * NR;
-        const int64_t cols = std::min(NR, n1 - c);
-        for (int64_t r = r0; r < r1; r += MR) {
-          const int64_t rows = std::min(MR, std::min(m, r1) - r);
-          const int32_t* ap = a + (r / MR) * pairs * MR + p0 * MR;
-          int32_t* keep = scratch == nullptr ? nullptr : scratch + (r - r0) * width + (c - n0);
-          if (starts) {
-            micro(ap, strip, chunk, nullptr, 0, tile);
+  for (int64_t p0 = 0; p0 < pairs; p0 += depth) {
+    const int64_t p1 = std::min(pairs, p0 + depth), chunk = p1 - p0;
+    pack_int4(w, n, p0, p1, n0, n1, b);
+    for (int64_t c = n0; c < n1; c += NR) {
+      const int32_t* strip = b + ((c - n0) / NR) * chunk * NR;
+      const int64_t cols = std::min(NR, n1 - c);
+      for (int64_t r = r0; r < r1; r += MR) {
+        const int64_t rows = std::min(MR, std::min(m, r1) - r);
+        const int32_t* ap = a + (r / MR) * pairs * MR;
+        int32_t* keep = scratch == nullptr ? nullptr : scratch + (r - r0) * width + (c - n0);
+        for (int64_t q = p0; q < p1;) {
+          const int64_t g = q / block_pairs, g0 = g * block_pairs, g1 = std::min(pairs, g0 + block_pairs);
+          const int64_t q1 = std::min(p1, g1);
+          const int32_t* aq = ap + q * MR;
+          const int32_t* bq = strip + (q - p0) * NR;
+          if (q == g0) {
+            micro(aq, bq, q1 - q, nullptr, 0, tile);
           } else if (rows == MR && cols == NR) {
-            micro(ap, strip, chunk, keep, width, tile);
+            micro(aq, bq, q1 - q, keep, width, tile);
           } else {
             load_partial(keep, width, rows, cols, tile);
-            micro(ap, strip, chunk, tile, NR, tile);
+            micro(aq, bq, q1 - q, tile, NR, tile);
           }
-          if (ends) {
+          if (q1 == g1) {
             scale_tile(tile, rows, cols, scale + g * n + c, g == 0, out + r * n + c, n);
           } else {
             store_tile(tile, rows, cols, keep, width);
           }
+          q = q1;
         }
       }
     }

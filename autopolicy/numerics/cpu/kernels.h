@@ -29,9 +29,11 @@ using Int8GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const int8_
 using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                             const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
 
-// The GEMM's blocking: a register tile of kGemmRows x kGemmStrip int32 sums, K chunks of
-// kGemmDepth rows (an even number) packed for at most kGemmCols columns a task.
-constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 256, kGemmCols = 384;
+// The GEMM's blocking: a register tile of kGemmRows x kGemmStrip int32 sums; tasks of at most
+// kGemmCols columns; K chunks of at most kGemmDepth rows (even), packed into about
+// kGemmPanelBytes (fewer rows for wider tasks).
+constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 256, kGemmCols = 1024;
+constexpr int64_t kGemmPanelBytes = 192 * 1024;
 
 struct Path {
   const char* name;
