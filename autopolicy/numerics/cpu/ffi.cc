@@ -18,6 +18,9 @@ namespace autopolicy_cpu {
 namespace {
 
 constexpr int64_t kColumnsPerTask = 64;
+// The int8 product of few rows (at most kSlabMaxRows) splits K into up to kSlabs slabs of at
+// least kSlabRows rows.
+constexpr int64_t kSlabs = 8, kSlabRows = 256, kSlabMaxRows = 4;
 
 // Runs body(t) for t in [0, tasks), on the pool and the calling thread. The caller never waits
 // for a task that has not started: tasks are claimed from a counter, and the caller waits only
@@ -105,6 +108,40 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ff
     parallel_tiles(pool, m, n, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, r0, r1, n0, n1, out);
     });
+    return ffi::Error::Success();
+  }
+  const int64_t slabs = std::min<int64_t>(kSlabs, k / kSlabRows);
+  if (m <= kSlabMaxRows && slabs > 1 && n >= 16) {
+    // Few rows: slabs of K rows, each a contiguous stretch of the weights (one stream the
+    // prefetchers follow, where a column split reads pieces of every row), claimed by the
+    // threads as they come free; each slab's int32 sums are added at the end (exact).
+    const int64_t step = (k / slabs + 3) / 4 * 4;
+    const int64_t count = (k + step - 1) / step;
+    std::vector<int32_t> partial(static_cast<size_t>((count - 1) * m * n));
+    std::vector<int8_t> xs(static_cast<size_t>(count * m * step));
+    for (int64_t s = 0; s < count; ++s)
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t k0 = s * step, k1 = std::min(k, k0 + step);
+        std::copy(xp + r * k + k0, xp + r * k + k1, xs.data() + (s * m + r) * step);
+      }
+    int32_t* parts = partial.data();
+    const int8_t* xsp = xs.data();
+    parallel_tasks(pool, count, [=](int64_t s) {
+      const int64_t k0 = s * step, k1 = std::min(k, k0 + step);
+      const int8_t* xsub = xsp + s * m * step;
+      int32_t* dst = s == 0 ? out : parts + (s - 1) * m * n;
+      if (k1 - k0 == step) {
+        path.int8(xsub, m, k1 - k0, wp + k0 * n, n, 0, n, dst);
+      } else {  // the last slab: its rows of x repacked to its own width
+        std::vector<int8_t> x_last(static_cast<size_t>(m * (k1 - k0)));
+        for (int64_t r = 0; r < m; ++r) std::copy(xsub + r * step, xsub + r * step + (k1 - k0), x_last.data() + r * (k1 - k0));
+        path.int8(x_last.data(), m, k1 - k0, wp + k0 * n, n, 0, n, dst);
+      }
+    });
+    for (int64_t s = 1; s < count; ++s) {
+      const int32_t* src = parts + (s - 1) * m * n;
+      for (int64_t i = 0; i < m * n; ++i) out[i] += src[i];
+    }
     return ffi::Error::Success();
   }
   parallel_columns(pool, n, kColumnsPerTask, [=](int64_t n0, int64_t n1) { path.int8(xp, m, k, wp, n, n0, n1, out); });
