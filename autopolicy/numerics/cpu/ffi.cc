@@ -48,7 +48,7 @@ void parallel_tasks(ffi::ThreadPool& pool, int64_t tasks, Body body) {
   while (state->done.load() < tasks) std::this_thread::yield();
 }
 
-// Runs body(n0, n1) over [0, n) in one chunk per thread (whole SIMD chunks of 16 columns).
+// Runs body(n0, n1) over [0, n) in one chunk per thread.
 template <typename Body>
 void parallel_columns(ffi::ThreadPool& pool, int64_t n, int64_t min_chunk, Body body) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -58,7 +58,7 @@ void parallel_columns(ffi::ThreadPool& pool, int64_t n, int64_t min_chunk, Body 
     return;
   }
   int64_t step = (n + chunks - 1) / chunks;
-  step = (step + 15) / 16 * 16;
+  step = (step + 31) / 32 * 32;  // whole SIMD chunks (32 columns: the int4 kernel's)
   chunks = (n + step - 1) / step;
   parallel_tasks(pool, chunks, [=](int64_t c) { body(c * step, std::min(n, (c + 1) * step)); });
 }
