@@ -128,6 +128,30 @@ def test_the_int4_gemm_equals_the_portable_path(rows, k, n, block, gemm_everywhe
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 32), (1, 577, 45), (2, 130, 300), (3, 33, 70), (5, 1000, 96), (7, 96, 33)])
+@pytest.mark.parametrize("block", ["channel", 2, 32])
+def test_the_int4_streaming_kernel_equals_the_portable_path(rows, k, n, block, path_restored):
+    """Below the GEMM: nibbles + 8 as unsigned bytes into vpmaddubsw, corrected by 8 * sum(x); the
+    largest pair sums (x = -128 with nibbles -8 and 7) must neither saturate nor round."""
+    block = k if block == "channel" else block
+    rng = np.random.default_rng(k * n + block + 2)
+    x = rng.choice(np.array([-128, 127, -1, 0], np.int8), (rows, k))
+    q = rng.choice(np.array([-8, 7, -1, 0], np.int8), (k, n))
+    scale = rng.uniform(0.01, 2.0, (-(-k // block), n)).astype(np.float32)
+    packed = int4.pack_int4(jnp.asarray(q))
+    call = jax.jit(cpu_kernels.int4_matmul, static_argnums=3)
+    got = {}
+    for path in PATHS:
+        cpu_kernels.set_path(path)
+        got[path] = np.asarray(call(x, packed, scale, block))
+    for path in PATHS:
+        np.testing.assert_array_equal(got[path], got["portable"], err_msg=path)
+    expected = _int4_reference(x, q, scale, block)
+    np.testing.assert_allclose(got["portable"], expected, rtol=0,
+                               atol=4e-7 * scale.shape[0] * np.abs(expected).max() + 1e-6)
+
+
+@needs_kernels
 def test_the_gemm_threshold_is_settable():
     default = cpu_kernels.gemm_min_rows()
     assert default >= 1
