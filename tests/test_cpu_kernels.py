@@ -153,12 +153,14 @@ def test_the_int4_streaming_kernel_equals_the_portable_path(rows, k, n, block, p
 
 @needs_kernels
 def test_the_gemm_threshold_is_settable():
-    default = cpu_kernels.gemm_min_rows()
-    assert default >= 1
+    defaults = cpu_kernels.gemm_min_rows("int8"), cpu_kernels.gemm_min_rows("int4")
+    assert defaults == (16, None)  # measured: int4's streaming kernel wins at every M
     cpu_kernels.set_gemm_min_rows(3)
-    assert cpu_kernels.gemm_min_rows() == 3
+    assert (cpu_kernels.gemm_min_rows("int8"), cpu_kernels.gemm_min_rows("int4")) == (3, 3)
     cpu_kernels.set_gemm_min_rows(None)
-    assert cpu_kernels.gemm_min_rows() == default
+    assert (cpu_kernels.gemm_min_rows("int8"), cpu_kernels.gemm_min_rows("int4")) == defaults
+    with pytest.raises(ValueError, match=r"Invalid kind. Expected one of \('int8', 'int4'\). Received: 'int2'"):
+        cpu_kernels.gemm_min_rows("int2")
 
 
 @needs_kernels

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "kernels.h"
 
@@ -44,8 +45,10 @@ const Path* best() {
 
 const Path* g_path = nullptr;
 
-constexpr int64_t kDefaultGemmMinRows = 8;
-int64_t g_gemm_min_rows = -1;
+constexpr int64_t kInt8GemmMinRows = 16;
+constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+constexpr int64_t kInt4GemmMinRows = kNever;
+int64_t g_gemm_min_rows[2] = {-1, -1};  // int8, int4; -1: not read yet
 
 }  // namespace
 
@@ -61,15 +64,18 @@ bool set_path(const char* name) {
   return true;
 }
 
-int64_t gemm_min_rows() {
-  if (g_gemm_min_rows < 0) {
+int64_t gemm_min_rows(bool int4) {
+  if (g_gemm_min_rows[0] < 0) {
     const char* forced = std::getenv("AUTOPOLICY_CPU_GEMM_MIN_ROWS");
-    g_gemm_min_rows = forced != nullptr && *forced != '\0' ? std::max<int64_t>(1, std::atoll(forced)) : kDefaultGemmMinRows;
+    set_gemm_min_rows(forced != nullptr && *forced != '\0' ? std::atoll(forced) : 0);
   }
-  return g_gemm_min_rows;
+  return g_gemm_min_rows[int4 ? 1 : 0];
 }
 
-void set_gemm_min_rows(int64_t rows) { g_gemm_min_rows = rows < 1 ? kDefaultGemmMinRows : rows; }
+void set_gemm_min_rows(int64_t rows) {
+  g_gemm_min_rows[0] = rows < 1 ? kInt8GemmMinRows : rows;
+  g_gemm_min_rows[1] = rows < 1 ? kInt4GemmMinRows : rows;
+}
 
 bool path_supported(const char* name) { return by_name(name) != nullptr && cpu_has(name); }
 

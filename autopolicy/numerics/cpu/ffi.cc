@@ -100,7 +100,7 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ff
   const int8_t* xp = x.typed_data();
   const int8_t* wp = w.typed_data();
   int32_t* out = acc->typed_data();
-  if (path.int8_gemm != nullptr && m >= gemm_min_rows() && k > 0) {
+  if (path.int8_gemm != nullptr && m >= gemm_min_rows(false) && k > 0) {
     std::vector<int32_t> xq(static_cast<size_t>((m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2)));
     pack_x_pairs(xp, m, k, xq.data());
     const int32_t* a = xq.data();
@@ -168,7 +168,7 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ff
   const uint8_t* wp = w.typed_data();
   const float* sp = scale.typed_data();
   float* yp = out->typed_data();
-  if (pairs_ok && path.int4_gemm != nullptr && m >= gemm_min_rows()) {
+  if (pairs_ok && path.int4_gemm != nullptr && m >= gemm_min_rows(true)) {
     std::vector<int32_t> xq(static_cast<size_t>((m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2)));
     pack_x_pairs(xp, m, k, xq.data());
     const int32_t* a = xq.data();
@@ -206,6 +206,6 @@ extern "C" {
 const char* autopolicy_cpu_path() { return autopolicy_cpu::current_path().name; }
 int autopolicy_cpu_set_path(const char* name) { return autopolicy_cpu::set_path(name) ? 1 : 0; }
 int autopolicy_cpu_path_supported(const char* name) { return autopolicy_cpu::path_supported(name) ? 1 : 0; }
-int64_t autopolicy_cpu_gemm_min_rows() { return autopolicy_cpu::gemm_min_rows(); }
+int64_t autopolicy_cpu_gemm_min_rows(int int4) { return autopolicy_cpu::gemm_min_rows(int4 != 0); }
 void autopolicy_cpu_set_gemm_min_rows(int64_t rows) { autopolicy_cpu::set_gemm_min_rows(rows); }
 }

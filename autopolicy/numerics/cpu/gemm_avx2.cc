@@ -1,4 +1,6 @@
 // The AVX2 GEMM for many rows of x (M >= gemm_min_rows()): register-blocked, cache-blocked.
+// The int8 product uses it from 16 rows; the int4 one only when forced (set_gemm_min_rows): the
+// int4 streaming kernel (gemv_avx2.cc, vpmaddubsw on nibbles + 8) was measured faster at every M.
 //
 // The product is the same as the streaming kernels' (gemv_avx2.cc), reorganized the BLIS way:
 //   - x is packed once per call (pack_x_pairs, before the work is split) into panels of kGemmRows

@@ -52,10 +52,14 @@ void int8_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, in
 void int4_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                     const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
 
-// The fewest rows of x for which the FFI calls the GEMM (where the path has one); below, the
-// streaming kernels. Measured (reports/cpu-kernels-amd-epyc-avx2-2c.md); set_gemm_min_rows
-// overrides it (tests, benchmarks), AUTOPOLICY_CPU_GEMM_MIN_ROWS at load.
-int64_t gemm_min_rows();
+// The fewest rows of x for which the FFI calls the GEMM (where the path has one), for the int8
+// (int4 = false) or int4 product; below, the streaming kernels. Measured on AVX2 (Zen 3; see
+// reports/cpu-kernels-amd-epyc-avx2-2c.md): int8 from 16 rows (the streaming kernel wins below
+// 12-16 rows at 4096 x 4096, up to 16-32 at 576 x 1536); int4 never: its streaming kernel
+// (vpmaddubsw, 32 products per multiply) beats this vpmaddwd GEMM (16) at every M measured, up
+// to 256. set_gemm_min_rows sets both (tests, benchmarks; < 1 restores these defaults), as
+// AUTOPOLICY_CPU_GEMM_MIN_ROWS does at load.
+int64_t gemm_min_rows(bool int4);
 void set_gemm_min_rows(int64_t rows);
 
 // The portable reference path (plain C++).
