@@ -231,6 +231,14 @@ void int8_gemm_avx2(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int
         const int64_t rows = std::min(MR, std::min(m, r1) - r);
         const int32_t* ap = a + (r / MR) * pairs * MR + p0 * MR;
         int32_t* out = acc + r * n + c;
+        if (p0 > 0 && r + MR < r1) {  // the next tile's sums, from L3 while this one runs
+          for (int64_t rr = 0; rr < MR; ++rr) {
+            const char* next = reinterpret_cast<const char*>(out + (MR + rr) * n);
+            _mm_prefetch(next, _MM_HINT_T0);
+            _mm_prefetch(next + 64, _MM_HINT_T0);
+            _mm_prefetch(next + 4 * NR - 1, _MM_HINT_T0);
+          }
+        }
         if (p0 == 0) {
           micro(ap, strip, chunk, nullptr, 0, tile);
         } else if (rows == MR && cols == NR) {
