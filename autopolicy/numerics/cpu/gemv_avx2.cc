@@ -1,9 +1,12 @@
-// AVX2 variants. Each pair of K rows is sign-extended to 16 bits and interleaved, so one vpmaddwd
+// AVX2 streaming variants (the weights read once per pass, in their stored layout; the GEMM for
+// many rows of int8 is gemm_avx2.cc).
+// int8: each pair of K rows is sign-extended to 16 bits and interleaved, so one vpmaddwd
 // multiplies 16 weights by a broadcast (x[k], x[k+1]) pair and adds the two products into 8
-// int32 lanes: exact for every int8 value (no saturation, unlike vpmaddubsw), and the weights
-// are read once, in their stored layout. Columns are processed in chunks of 16 (two 8-lane
-// accumulators whose lanes come out in the order [0-3, 8-11] and [4-7, 12-15], put back in order
-// on store); several rows of x share each loaded pair of weight rows.
+// int32 lanes: exact for every int8 value (no saturation, unlike vpmaddubsw). Columns are
+// processed in chunks of 16 (two 8-lane accumulators whose lanes come out in the order
+// [0-3, 8-11] and [4-7, 12-15], put back in order on store); several rows of x share each loaded
+// pair of weight rows.
+// int4: vpmaddubsw on the nibbles + 8 (unsigned, at most 15: exact here), see int4_stream.
 //
 // Everything before the target pragma is compiled for the baseline ISA, so no AVX2 code leaks
 // into inline functions shared with the portable path.
