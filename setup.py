@@ -50,7 +50,7 @@ setup(
             sources=SOURCES,
             include_dirs=[os.path.join("autopolicy", "numerics", "cpu")],
             language="c++",
-            extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
+            extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"],
             optional=True,
         )
     ]

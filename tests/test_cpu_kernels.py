@@ -77,6 +77,92 @@ def test_int4_products_match_the_exact_sum(path, rows, k, n, block, path_restore
     np.testing.assert_allclose(got, expected, rtol=0, atol=4e-7 * groups * np.abs(expected).max() + 1e-6)
 
 
+# The GEMM (M >= gemm_min_rows on paths that have one): (rows, K, N) at the edges of its 4 x 24
+# register tile, its K chunks (up to 256 rows, fewer for wide column blocks) and its tasks: M, N
+# and K not multiples of the tile, odd K, one row, one column, several chunks and tasks.
+GEMM_SHAPES = [(1, 64, 24), (4, 48, 24), (5, 577, 45), (7, 33, 17), (9, 513, 300), (13, 1000, 401), (33, 3, 1),
+               (17, 600, 770), (66, 130, 2050)]
+
+
+@pytest.fixture
+def gemm_everywhere():
+    """Runs the GEMM at every M (the streaming kernels otherwise serve small M)."""
+    cpu_kernels.set_gemm_min_rows(1)
+    yield
+    cpu_kernels.set_gemm_min_rows(None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,k,n", GEMM_SHAPES)
+@pytest.mark.parametrize("extremes", [False, True])
+def test_the_int8_gemm_is_exact(rows, k, n, extremes, gemm_everywhere, path_restored):
+    x, w = _int8_operands(rows, k, n, seed=rows * k + n + 1, extremes=extremes)
+    expected = x.astype(np.int64) @ w.astype(np.int64)
+    for path in PATHS:
+        cpu_kernels.set_path(path)
+        np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.int8_matmul)(x, w)), expected, err_msg=path)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,k,n", GEMM_SHAPES)
+@pytest.mark.parametrize("block", ["channel", 2, 32, 600])
+def test_the_int4_gemm_equals_the_portable_path(rows, k, n, block, gemm_everywhere, path_restored):
+    """Bit for bit: the same int32 block sums, the same float32 operations in the same order
+    (blocks of 600 rows are longer than one K chunk: their sums cross chunks in int32)."""
+    block = k if block == "channel" or block > k else block
+    rng = np.random.default_rng(k * n + block + 1)
+    x = rng.integers(-128, 128, (rows, k)).astype(np.int8)
+    q = rng.integers(-8, 8, (k, n)).astype(np.int8)
+    scale = rng.uniform(0.01, 2.0, (-(-k // block), n)).astype(np.float32)
+    packed = int4.pack_int4(jnp.asarray(q))
+    call = jax.jit(cpu_kernels.int4_matmul, static_argnums=3)
+    got = {}
+    for path in PATHS:
+        cpu_kernels.set_path(path)
+        got[path] = np.asarray(call(x, packed, scale, block))
+    for path in PATHS:
+        np.testing.assert_array_equal(got[path], got["portable"], err_msg=path)
+    expected = _int4_reference(x, q, scale, block)
+    np.testing.assert_allclose(got["portable"], expected, rtol=0,
+                               atol=4e-7 * scale.shape[0] * np.abs(expected).max() + 1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 32), (1, 577, 45), (2, 130, 300), (3, 33, 70), (5, 1000, 96), (7, 96, 33)])
+@pytest.mark.parametrize("block", ["channel", 2, 32])
+def test_the_int4_streaming_kernel_equals_the_portable_path(rows, k, n, block, path_restored):
+    """Below the GEMM: nibbles + 8 as unsigned bytes into vpmaddubsw, corrected by 8 * sum(x); the
+    largest pair sums (x = -128 with nibbles -8 and 7) must neither saturate nor round."""
+    block = k if block == "channel" else block
+    rng = np.random.default_rng(k * n + block + 2)
+    x = rng.choice(np.array([-128, 127, -1, 0], np.int8), (rows, k))
+    q = rng.choice(np.array([-8, 7, -1, 0], np.int8), (k, n))
+    scale = rng.uniform(0.01, 2.0, (-(-k // block), n)).astype(np.float32)
+    packed = int4.pack_int4(jnp.asarray(q))
+    call = jax.jit(cpu_kernels.int4_matmul, static_argnums=3)
+    got = {}
+    for path in PATHS:
+        cpu_kernels.set_path(path)
+        got[path] = np.asarray(call(x, packed, scale, block))
+    for path in PATHS:
+        np.testing.assert_array_equal(got[path], got["portable"], err_msg=path)
+    expected = _int4_reference(x, q, scale, block)
+    np.testing.assert_allclose(got["portable"], expected, rtol=0,
+                               atol=4e-7 * scale.shape[0] * np.abs(expected).max() + 1e-6)
+
+
+@needs_kernels
+def test_the_gemm_threshold_is_settable():
+    defaults = cpu_kernels.gemm_min_rows("int8"), cpu_kernels.gemm_min_rows("int4")
+    assert defaults == (16, None)  # measured: int4's streaming kernel wins at every M
+    cpu_kernels.set_gemm_min_rows(3)
+    assert (cpu_kernels.gemm_min_rows("int8"), cpu_kernels.gemm_min_rows("int4")) == (3, 3)
+    cpu_kernels.set_gemm_min_rows(None)
+    assert (cpu_kernels.gemm_min_rows("int8"), cpu_kernels.gemm_min_rows("int4")) == defaults
+    with pytest.raises(ValueError, match=r"Invalid kind. Expected one of \('int8', 'int4'\). Received: 'int2'"):
+        cpu_kernels.gemm_min_rows("int2")
+
+
 @needs_kernels
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("equation,x_shape,k_shape", [("mk,kn->mn", (7, 48), (48, 40)),

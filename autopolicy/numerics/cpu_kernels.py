@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
-           "supported_paths", "PATHS", "int8_matmul", "int4_matmul", "notice_once"]
+           "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "int8_matmul", "int4_matmul", "notice_once"]
 
 #: Set to 1 to leave the kernels out (as on a machine without a compiler).
 DISABLE_ENV = "AUTOPOLICY_DISABLE_CPU_KERNELS"
@@ -60,6 +60,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         lib.autopolicy_cpu_path.restype = ctypes.c_char_p
         lib.autopolicy_cpu_set_path.argtypes = lib.autopolicy_cpu_path_supported.argtypes = [ctypes.c_char_p]
+        lib.autopolicy_cpu_gemm_min_rows.restype = ctypes.c_int64
+        lib.autopolicy_cpu_gemm_min_rows.argtypes = [ctypes.c_int]
+        lib.autopolicy_cpu_set_gemm_min_rows.argtypes = [ctypes.c_int64]
     except (OSError, AttributeError) as e:
         return None, f"{os.path.basename(file)} failed to load: {e}"
     return lib, None
@@ -110,6 +113,24 @@ def set_path(name: str) -> None:
     if name not in supported:
         raise ValueError(f"Invalid CPU kernel path. Expected one of {supported} (on this CPU). Received: {name!r}")
     _lib().autopolicy_cpu_set_path(name.encode())
+
+
+def gemm_min_rows(kind: str = "int8") -> int | None:
+    """The fewest rows of x (the batch M) for which the ``kind`` (``"int8"`` or ``"int4"``) product
+    runs the register-blocked GEMM; below it, the streaming kernels. None: never (int4 by default:
+    its streaming kernel was measured faster at every M). Paths without a GEMM (portable) stream
+    at every M."""
+    if kind not in ("int8", "int4"):
+        raise ValueError(f"Invalid kind. Expected one of ('int8', 'int4'). Received: {kind!r}")
+    rows = int(_lib().autopolicy_cpu_gemm_min_rows(int(kind == "int4")))
+    return None if rows >= 2**63 - 1 else rows
+
+
+def set_gemm_min_rows(rows: int | None) -> None:
+    """Sets :func:`gemm_min_rows` of both kinds to ``rows`` (tests and benchmarks;
+    ``AUTOPOLICY_CPU_GEMM_MIN_ROWS`` sets it at load); None restores the measured defaults. Takes
+    effect at once, compiled programs included."""
+    _lib().autopolicy_cpu_set_gemm_min_rows(0 if rows is None else max(1, int(rows)))
 
 
 def _check(x: jax.Array, w: jax.Array, w_dtype: str, what: str) -> None:

@@ -1,15 +1,17 @@
 // The run-time choice of instruction-set path: the CPU's features decide, never the build.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "kernels.h"
 
 namespace autopolicy_cpu {
 namespace {
 
-const Path kPortable{"portable", int8_portable, int4_portable};
+const Path kPortable{"portable", int8_portable, int4_portable, nullptr, nullptr};
 #if defined(__x86_64__)
-const Path kAvx2{"avx2", int8_avx2, int4_avx2};
+const Path kAvx2{"avx2", int8_avx2, int4_avx2, int8_gemm_avx2, int4_gemm_avx2};
 #endif
 
 bool cpu_has(const char* name) {
@@ -43,6 +45,11 @@ const Path* best() {
 
 const Path* g_path = nullptr;
 
+constexpr int64_t kInt8GemmMinRows = 16;
+constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+constexpr int64_t kInt4GemmMinRows = kNever;
+int64_t g_gemm_min_rows[2] = {-1, -1};  // int8, int4; -1: not read yet
+
 }  // namespace
 
 const Path& current_path() {
@@ -55,6 +62,19 @@ bool set_path(const char* name) {
   if (path == nullptr || !cpu_has(name)) return false;
   g_path = path;
   return true;
+}
+
+int64_t gemm_min_rows(bool int4) {
+  if (g_gemm_min_rows[0] < 0) {
+    const char* forced = std::getenv("AUTOPOLICY_CPU_GEMM_MIN_ROWS");
+    set_gemm_min_rows(forced != nullptr && *forced != '\0' ? std::atoll(forced) : 0);
+  }
+  return g_gemm_min_rows[int4 ? 1 : 0];
+}
+
+void set_gemm_min_rows(int64_t rows) {
+  g_gemm_min_rows[0] = rows < 1 ? kInt8GemmMinRows : rows;
+  g_gemm_min_rows[1] = rows < 1 ? kInt4GemmMinRows : rows;
 }
 
 bool path_supported(const char* name) { return by_name(name) != nullptr && cpu_has(name); }

@@ -1,9 +1,12 @@
-// AVX2 variants. Each pair of K rows is sign-extended to 16 bits and interleaved, so one vpmaddwd
+// AVX2 streaming variants (the weights read once per pass, in their stored layout; the GEMM for
+// many rows of int8 is gemm_avx2.cc).
+// int8: each pair of K rows is sign-extended to 16 bits and interleaved, so one vpmaddwd
 // multiplies 16 weights by a broadcast (x[k], x[k+1]) pair and adds the two products into 8
-// int32 lanes: exact for every int8 value (no saturation, unlike vpmaddubsw), and the weights
-// are read once, in their stored layout. Columns are processed in chunks of 16 (two 8-lane
-// accumulators whose lanes come out in the order [0-3, 8-11] and [4-7, 12-15], put back in order
-// on store); several rows of x share each loaded pair of weight rows.
+// int32 lanes: exact for every int8 value (no saturation, unlike vpmaddubsw). Columns are
+// processed in chunks of 16 (two 8-lane accumulators whose lanes come out in the order
+// [0-3, 8-11] and [4-7, 12-15], put back in order on store); several rows of x share each loaded
+// pair of weight rows.
+// int4: vpmaddubsw on the nibbles + 8 (unsigned, at most 15: exact here), see int4_stream.
 //
 // Everything before the target pragma is compiled for the baseline ISA, so no AVX2 code leaks
 // into inline functions shared with the portable path.
@@ -97,61 +100,89 @@ void int8_rows(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t n
   }
 }
 
-inline __m256i low_nibbles(__m256i v) { return _mm256_srai_epi16(_mm256_slli_epi16(v, 12), 12); }
-inline __m256i high_nibbles(__m256i v) { return _mm256_srai_epi16(v, 4); }
-
-// R rows of x times columns [n0, n1) (a multiple of 16 wide) of a packed int4 kernel, one byte
-// row a step: byte row j holds rows (2j, 2j + 1) in its (low, high) nibbles, exactly the pair
-// one vpmaddwd multiplies by a broadcast (x[2j], x[2j + 1]). Each block is summed in int32 in a
-// scratch row, and added into the float output times its scales when the block ends.
+// R rows of x times columns [n0, n1) (a multiple of 32 wide) of a packed int4 kernel. Byte row j
+// holds rows (2j, 2j + 1) in its (low, high) nibbles; each nibble v becomes u = v + 8 (0..15, an
+// unsigned byte: the nibble xor 8), and vpmaddubsw multiplies the interleaved (u[2j], u[2j + 1])
+// bytes of a column by the broadcast (x[2j], x[2j + 1]) and adds the pair into one int16: at most
+// 2 * 15 * 128 = 3840 in size, so it never saturates, and 8 byte rows sum in int16 (at most
+// 30720) before they are widened into int32 sums in memory. The sums are of u * x; the block's
+// sum(w * x) is that minus 8 * sum(x) over the block, exact. When a block ends its int32 sums are
+// converted to float, times the scales, and added into the output in block order (the portable
+// path's operations). About 14 instructions per 32 weight bytes, where widening to 16 bits
+// before vpmaddwd took 28: the kernel at batch 1 is no longer bound by the instructions.
+// Sums are kept per 32 columns as [0-3|16-19], [4-7|20-23], [8-11|24-27], [12-15|28-31] (the
+// lane order of the unpacks), put back in order when a block ends.
 template <int R>
 void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_t block, const float* scale,
-                 int64_t n0, int64_t n1, float* out, int32_t* scratch) {
+                 int64_t n0, int64_t n1, float* out, int32_t* sums) {
   const int64_t pairs = (k + 1) / 2, width = n1 - n0;
-  int32_t* sums = scratch;  // (R, width)
-  std::memset(sums, 0, R * width * sizeof(int32_t));
-  for (int r = 0; r < R; ++r) std::memset(out + r * n + n0, 0, width * sizeof(float));
-  auto flush = [&](int64_t g) {
+  const int64_t groups = (k + block - 1) / block;
+  const int64_t block_pairs = groups == 1 ? pairs : block / 2;  // blocks are even or one
+  const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t j0 = g * block_pairs, j1 = std::min(pairs, j0 + block_pairs);
+    std::memset(sums, 0, R * width * sizeof(int32_t));
+    int32_t correction[R];
+    for (int r = 0; r < R; ++r) {
+      int32_t total = 0;
+      for (int64_t i = 2 * j0; i < std::min(k, 2 * j1); ++i) total += x[r * k + i];
+      correction[r] = 8 * total;
+    }
+    for (int64_t jg = j0; jg < j1; jg += 8) {
+      const int64_t rows = std::min<int64_t>(8, j1 - jg);
+      __m256i xb[8][R];
+      const uint8_t* wrow[8];
+      for (int64_t jj = 0; jj < rows; ++jj) {
+        const int64_t j = jg + jj;
+        wrow[jj] = w + j * n;
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = x + r * k;
+          const int32_t x0 = static_cast<uint8_t>(xr[2 * j]);
+          const int32_t x1 = 2 * j + 1 < k ? static_cast<uint8_t>(xr[2 * j + 1]) : 0;  // odd K: the pad row is 0
+          xb[jj][r] = _mm256_set1_epi16(static_cast<int16_t>(x0 | (x1 << 8)));
+        }
+      }
+      for (int64_t c = n0; c < n1; c += 32) {
+        __m256i t0[R], t1[R];
+        for (int r = 0; r < R; ++r) t0[r] = t1[r] = _mm256_setzero_si256();
+        for (int64_t jj = 0; jj < rows; ++jj) {
+          const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[jj] + c)), flip);
+          const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+          const __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);
+          for (int r = 0; r < R; ++r) {
+            t0[r] = _mm256_add_epi16(t0[r], _mm256_maddubs_epi16(u0, xb[jj][r]));
+            t1[r] = _mm256_add_epi16(t1[r], _mm256_maddubs_epi16(u1, xb[jj][r]));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          __m256i* p = reinterpret_cast<__m256i*>(sums + r * width + (c - n0));
+          const __m256i parts[4] = {_mm256_srai_epi32(_mm256_unpacklo_epi16(t0[r], t0[r]), 16),
+                                    _mm256_srai_epi32(_mm256_unpackhi_epi16(t0[r], t0[r]), 16),
+                                    _mm256_srai_epi32(_mm256_unpacklo_epi16(t1[r], t1[r]), 16),
+                                    _mm256_srai_epi32(_mm256_unpackhi_epi16(t1[r], t1[r]), 16)};
+          for (int q = 0; q < 4; ++q) _mm256_storeu_si256(p + q, _mm256_add_epi32(_mm256_loadu_si256(p + q), parts[q]));
+        }
+      }
+    }
     const float* s = scale + g * n;
     for (int r = 0; r < R; ++r) {
       float* y = out + r * n;
-      int32_t* row = sums + r * width;
-      for (int64_t c = n0; c < n1; c += 16) {
-        int32_t* p = row + (c - n0);
-        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8));
-        const __m256 first = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x20));
-        const __m256 second = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x31));
-        _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), _mm256_mul_ps(first, _mm256_loadu_ps(s + c))));
-        _mm256_storeu_ps(y + c + 8,
-                         _mm256_add_ps(_mm256_loadu_ps(y + c + 8), _mm256_mul_ps(second, _mm256_loadu_ps(s + c + 8))));
-      }
-      std::memset(row, 0, width * sizeof(int32_t));
-    }
-  };
-  int64_t group = 0;
-  for (int64_t j = 0; j < pairs; ++j) {
-    const int64_t g = (2 * j) / block;  // the pair's block (blocks are even: no pair straddles two)
-    if (g != group) { flush(group); group = g; }
-    __m256i xp[R];
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xr = x + r * k;
-      const int32_t x0 = xr[2 * j], x1 = 2 * j + 1 < k ? xr[2 * j + 1] : 0;  // odd K: the pad row is 0
-      xp[r] = _mm256_set1_epi32((x0 & 0xFFFF) | (x1 << 16));
-    }
-    const uint8_t* row = w + j * n;
-    for (int64_t c = n0; c < n1; c += 16) {
-      const __m256i a = widen(row + c);
-      const __m256i even = low_nibbles(a), odd = high_nibbles(a);
-      const __m256i p0 = _mm256_unpacklo_epi16(even, odd), p1 = _mm256_unpackhi_epi16(even, odd);
-      for (int r = 0; r < R; ++r) {
-        __m256i* acc = reinterpret_cast<__m256i*>(sums + r * width + (c - n0));
-        _mm256_storeu_si256(acc, _mm256_add_epi32(_mm256_loadu_si256(acc), _mm256_madd_epi16(p0, xp[r])));
-        _mm256_storeu_si256(acc + 1, _mm256_add_epi32(_mm256_loadu_si256(acc + 1), _mm256_madd_epi16(p1, xp[r])));
+      const __m256i corr = _mm256_set1_epi32(correction[r]);
+      for (int64_t c = n0; c < n1; c += 32) {
+        const __m256i* p = reinterpret_cast<const __m256i*>(sums + r * width + (c - n0));
+        const __m256i a = _mm256_loadu_si256(p), b = _mm256_loadu_si256(p + 1);
+        const __m256i e = _mm256_loadu_si256(p + 2), f = _mm256_loadu_si256(p + 3);
+        const __m256i ordered[4] = {_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(e, f, 0x20),
+                                    _mm256_permute2x128_si256(a, b, 0x31), _mm256_permute2x128_si256(e, f, 0x31)};
+        for (int q = 0; q < 4; ++q) {
+          const __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ordered[q], corr)),
+                                            _mm256_loadu_ps(s + c + 8 * q));
+          float* yq = y + c + 8 * q;
+          _mm256_storeu_ps(yq, g == 0 ? term : _mm256_add_ps(_mm256_loadu_ps(yq), term));
+        }
       }
     }
   }
-  flush(group);
 }
 
 }  // namespace
@@ -168,10 +199,12 @@ void int8_avx2(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n
 // FFI binding checks it and runs the portable path otherwise.
 void int4_avx2(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                const float* scale, int64_t n0, int64_t n1, float* out) {
-  const int64_t simd_end = n0 + (n1 - n0) / 16 * 16;
+  const int64_t simd_end = n0 + (n1 - n0) / 32 * 32;
   if (simd_end > n0) {
-    std::vector<int32_t> scratch(2 * (simd_end - n0));
+    std::vector<int32_t> scratch(4 * (simd_end - n0));
     int64_t r = 0;
+    for (; r + 4 <= m; r += 4)
+      int4_stream<4>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.data());
     for (; r + 2 <= m; r += 2)
       int4_stream<2>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.data());
     for (; r < m; ++r) int4_stream<1>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.data());

@@ -22,11 +22,45 @@ using Int8Fn = void (*)(const int8_t* x, int64_t m, int64_t k, const int8_t* w, 
 using Int4Fn = void (*)(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                         const float* scale, int64_t n0, int64_t n1, float* out);
 
+// The GEMM for many rows (gemm_avx2.cc): x packed once per call by pack_x_pairs, each call then
+// computing rows [r0, r1) (r0 a multiple of kGemmRows) and columns [n0, n1) of the same output.
+using Int8GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0,
+                            int64_t r1, int64_t n0, int64_t n1, int32_t* acc);
+using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+                            const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
+
+// The GEMM's blocking: a register tile of kGemmRows x kGemmStrip int32 sums; tasks of at most
+// kGemmCols columns; K chunks of at most kGemmDepth rows (even), packed into about
+// kGemmPanelBytes (fewer rows for wider tasks).
+constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 256, kGemmCols = 1024;
+constexpr int64_t kGemmPanelBytes = 192 * 1024;
+
 struct Path {
   const char* name;
   Int8Fn int8;
   Int4Fn int4;
+  Int8GemmFn int8_gemm;  // null: the path has none (its int8/int4 kernels serve every M)
+  Int4GemmFn int4_gemm;
 };
+
+// x (m, k) as kGemmRows-row panels of K pairs, each pair (x[2p], x[2p + 1]) one int32 word of two
+// int16 (low: even row); rows past m and the pad of an odd K are zero. a: ceil(m / kGemmRows) *
+// kGemmRows * ceil(k / 2) words, [panel][pair][row].
+void pack_x_pairs(const int8_t* x, int64_t m, int64_t k, int32_t* a);
+void int8_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
+                    int64_t n0, int64_t n1, int32_t* acc);
+void int4_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+                    const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
+
+// The fewest rows of x for which the FFI calls the GEMM (where the path has one), for the int8
+// (int4 = false) or int4 product; below, the streaming kernels. Measured on AVX2 (Zen 3; see
+// reports/cpu-kernels-amd-epyc-avx2-2c.md): int8 from 16 rows (the streaming kernel wins below
+// 12-16 rows at 4096 x 4096, up to 16-32 at 576 x 1536); int4 never: its streaming kernel
+// (vpmaddubsw, 32 products per multiply) beats this vpmaddwd GEMM (16) at every M measured, up
+// to 256. set_gemm_min_rows sets both (tests, benchmarks; < 1 restores these defaults), as
+// AUTOPOLICY_CPU_GEMM_MIN_ROWS does at load.
+int64_t gemm_min_rows(bool int4);
+void set_gemm_min_rows(int64_t rows);
 
 // The portable reference path (plain C++).
 void int8_portable(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1,

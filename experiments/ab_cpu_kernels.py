@@ -1,0 +1,112 @@
+"""Paired A/B of two builds of autopolicy's CPU kernels: the installed library against another
+build of the same FFI handlers (say, main's), kernel alone, on the same inputs.
+
+The other library is loaded with ctypes and its handlers registered under other FFI target
+names, so both run in one process; each round calls every (build, kernel) once, in a fresh
+random order, each call timed as the mean of several back-to-back calls (weights stay in cache
+where they fit: these are kernel figures, not the layer figures of bench_cpu_kernels.py). The
+speedup is the median over rounds of old time / new time, with its quartiles. int8 results must
+be equal, int4 within float32 rounding (builds may round the block sums differently).
+
+Build the other library from a commit, for instance::
+
+    git archive main autopolicy/numerics/cpu | tar -x -C /tmp/old
+    g++ -O3 -std=c++17 -fPIC -shared -I"$(python -c 'import jax.ffi; print(jax.ffi.include_dir())')" \\
+        -I/tmp/old/autopolicy/numerics/cpu /tmp/old/autopolicy/numerics/cpu/*.cc -o /tmp/old.so
+    python experiments/ab_cpu_kernels.py --old /tmp/old.so --shapes 4096x4096 --batches 1 32 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autopolicy.numerics import cpu_kernels, int4
+
+
+def _timer(fn, args, reps):
+    jax.block_until_ready(fn(*args))
+
+    def run():
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / reps
+    return run
+
+
+def compare(k: int, n: int, m: int, rounds: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    w8 = jnp.asarray(rng.integers(-128, 128, (k, n)).astype(np.int8))
+    packed = int4.pack_int4(jnp.asarray(rng.integers(-8, 8, (k, n)).astype(np.int8)))
+    x8 = jnp.asarray(rng.integers(-127, 128, (m, k)).astype(np.int8))
+    scales = {block: jnp.asarray(rng.uniform(0.01, 2.0, (-(-k // block), n)).astype(np.float32)) for block in (k, 32)}
+
+    def old_int8(x, w):
+        return jax.ffi.ffi_call("ab_old_int8", jax.ShapeDtypeStruct((m, n), jnp.int32))(x, w)
+
+    def old_int4(block):
+        return lambda x, p, s: jax.ffi.ffi_call("ab_old_int4", jax.ShapeDtypeStruct((m, n), jnp.float32))(
+            x, p, s, block=block)
+
+    def new_int4(block):
+        return lambda x, p, s: cpu_kernels.int4_matmul(x, p, s, block)
+
+    kernels = {"int8": (jax.jit(old_int8), jax.jit(cpu_kernels.int8_matmul), (x8, w8), k * n)}
+    for block, name in ((k, "int4"), (32, "int4/32")):
+        kernels[name] = (jax.jit(old_int4(block)), jax.jit(new_int4(block)), (x8, packed, scales[block]),
+                         k * n // 2 + (0 if block == k else k * n // 8))
+    reps = max(1, min(10, int(2e8 / (m * k * n))))
+    runs = {}
+    for name, (old_fn, new_fn, args, _) in kernels.items():
+        a, b = np.asarray(old_fn(*args)), np.asarray(new_fn(*args))
+        if name == "int8":
+            np.testing.assert_array_equal(a, b)
+        else:
+            assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)), name
+        runs[(name, "old")] = _timer(old_fn, args, reps)
+        runs[(name, "new")] = _timer(new_fn, args, reps)
+    times = {key: [] for key in runs}
+    for _ in range(rounds):
+        for i in rng.permutation(len(runs)):
+            key = list(runs)[i]
+            times[key].append(runs[key]())
+    cells = []
+    for name, (_, _, _, nbytes) in kernels.items():
+        o, w = np.array(times[(name, "old")]), np.array(times[(name, "new")])
+        ratio = o / w
+        cells.append(f"{name}: {np.median(o) * 1e6:.0f} -> {np.median(w) * 1e6:.0f} us "
+                     f"({nbytes / np.median(w) / 1e9:.1f} GB/s), {np.median(ratio):.2f}x "
+                     f"[{np.percentile(ratio, 25):.2f}-{np.percentile(ratio, 75):.2f}]")
+    return f"{k}x{n} batch {m}: " + " | ".join(cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="the other build's shared library")
+    parser.add_argument("--shapes", nargs="+", default=["4096x4096", "576x1536"], help="K x N")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args(argv)
+    if not cpu_kernels.AVAILABLE:
+        print(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
+        return 1
+    lib = ctypes.CDLL(args.old)
+    jax.ffi.register_ffi_target("ab_old_int8", jax.ffi.pycapsule(lib.AutopolicyInt8Matmul), platform="cpu")
+    jax.ffi.register_ffi_target("ab_old_int4", jax.ffi.pycapsule(lib.AutopolicyInt4Matmul), platform="cpu")
+    for shape in args.shapes:
+        k, n = (int(v) for v in shape.lower().split("x"))
+        for m in args.batches:
+            print(compare(k, n, m, args.rounds), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
