@@ -17,6 +17,12 @@ import numpy as np
 import pytest
 
 from autopolicy import _multihost
+
+#: The two-process runs belong to the multi-host tier (the README's tier command sets it): each
+#: starts two JAX processes, over a minute on 2 cores, beside the default suite's own workers.
+two_processes = pytest.mark.skipif(not os.environ.get("AUTOPOLICY_TEST_MULTI_HOST"),
+                                   reason="two jax.distributed processes: the multi-host tier "
+                                          "(AUTOPOLICY_TEST_MULTI_HOST=1 .venv/bin/python -m pytest tests/test_multihost.py)")
 from autopolicy.search import result as result_mod
 from autopolicy.search.cache import MeasurementCache
 
@@ -57,6 +63,7 @@ def _run_two(out, **env):
 
 
 @pytest.mark.slow
+@two_processes
 def test_two_processes_tune_one_sharded_model_alike(tmp_path):
     first, second = _run_two(tmp_path, AUTOPOLICY_TEST_SLOW_PROCESS="1", AUTOPOLICY_TEST_SLEEP_S=str(SLEEP_S))
     assert first["process_count"] == 2 and first["devices"] == 4
@@ -91,6 +98,7 @@ def test_two_processes_tune_one_sharded_model_alike(tmp_path):
 
 
 @pytest.mark.slow
+@two_processes
 def test_an_eval_fn_that_differs_between_processes_stops_the_run(tmp_path):
     reports = _run_two(tmp_path, AUTOPOLICY_TEST_DISAGREE="1")
     for report in reports:
