@@ -58,6 +58,21 @@ def _int4_reference(x, q, scale, block):
     acc = np.einsum("mgb,gbn->mgn", xp, qp)
     return np.einsum("mgn,gn->mn", acc.astype(np.float64), scale.astype(np.float64))
 
+def _assert_every_int4_path_equals_portable(x, q, scale, block):
+    """Every instruction-set path gives the portable path's float32 outputs bit for bit, and the
+    portable path equals the float64 reference within float32 rounding of the block sums."""
+    packed = int4.pack_int4(jnp.asarray(q))
+    call = jax.jit(cpu_kernels.int4_matmul, static_argnums=3)
+    got = {}
+    for path in PATHS:
+        cpu_kernels.set_path(path)
+        got[path] = np.asarray(call(x, packed, scale, block))
+    for path in PATHS:
+        np.testing.assert_array_equal(got[path], got["portable"], err_msg=path)
+    expected = _int4_reference(x, q, scale, block)
+    np.testing.assert_allclose(got["portable"], expected, rtol=0,
+                               atol=4e-7 * scale.shape[0] * np.abs(expected).max() + 1e-6)
+
 
 @needs_kernels
 @pytest.mark.parametrize("path", PATHS)
@@ -114,17 +129,7 @@ def test_the_int4_gemm_equals_the_portable_path(rows, k, n, block, gemm_everywhe
     x = rng.integers(-128, 128, (rows, k)).astype(np.int8)
     q = rng.integers(-8, 8, (k, n)).astype(np.int8)
     scale = rng.uniform(0.01, 2.0, (-(-k // block), n)).astype(np.float32)
-    packed = int4.pack_int4(jnp.asarray(q))
-    call = jax.jit(cpu_kernels.int4_matmul, static_argnums=3)
-    got = {}
-    for path in PATHS:
-        cpu_kernels.set_path(path)
-        got[path] = np.asarray(call(x, packed, scale, block))
-    for path in PATHS:
-        np.testing.assert_array_equal(got[path], got["portable"], err_msg=path)
-    expected = _int4_reference(x, q, scale, block)
-    np.testing.assert_allclose(got["portable"], expected, rtol=0,
-                               atol=4e-7 * scale.shape[0] * np.abs(expected).max() + 1e-6)
+    _assert_every_int4_path_equals_portable(x, q, scale, block)
 
 
 @needs_kernels
@@ -138,17 +143,7 @@ def test_the_int4_streaming_kernel_equals_the_portable_path(rows, k, n, block, p
     x = rng.choice(np.array([-128, 127, -1, 0], np.int8), (rows, k))
     q = rng.choice(np.array([-8, 7, -1, 0], np.int8), (k, n))
     scale = rng.uniform(0.01, 2.0, (-(-k // block), n)).astype(np.float32)
-    packed = int4.pack_int4(jnp.asarray(q))
-    call = jax.jit(cpu_kernels.int4_matmul, static_argnums=3)
-    got = {}
-    for path in PATHS:
-        cpu_kernels.set_path(path)
-        got[path] = np.asarray(call(x, packed, scale, block))
-    for path in PATHS:
-        np.testing.assert_array_equal(got[path], got["portable"], err_msg=path)
-    expected = _int4_reference(x, q, scale, block)
-    np.testing.assert_allclose(got["portable"], expected, rtol=0,
-                               atol=4e-7 * scale.shape[0] * np.abs(expected).max() + 1e-6)
+    _assert_every_int4_path_equals_portable(x, q, scale, block)
 
 
 @needs_kernels
