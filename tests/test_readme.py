@@ -20,7 +20,10 @@ def test_readme_has_exactly_the_two_setup_commands():
         ["awk", "/<!-- test-command -->/{getline; getline; print; exit}", str(ROOT / "README.md")],
         capture_output=True, text=True, check=True,
     ).stdout.strip()
-    assert ci.endswith("python -m pytest -n auto --dist loadscope") and "[dev]" in ci
+    assert ci.endswith('python -m pytest -n auto --dist loadscope -m "not slow"') and "[dev]" in ci
+    # The slow tests are not left out: CI runs them as the slow tier (the two make the whole suite).
+    slow = README.split("<!-- tier-command: slow -->")[1].split("```bash\n")[1].split("\n")[0]
+    assert slow == ".venv/bin/python -m pytest -n auto --dist loadscope -m slow"
     assert "<!-- test-command -->" in (ROOT / ".ci" / "run").read_text()
 
 
