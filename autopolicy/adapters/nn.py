@@ -2,6 +2,11 @@
 
 Layers are recorded through the module call hook on the sample input; a layer or the model under
 a policy is a new module (``with_dtype_policy``), which is itself the jit state of its program.
+
+GPTQ and AWQ candidates (weight-only, calibrated): each layer is calibrated alone, once per
+policy, on the inputs it receives when the float model runs on the calibration batches
+(``calibrate_weights(..., sequential=False)``'s rule), and every model the search builds, the
+chosen one included, uses those weights: what is timed and scored is what ships.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ import jax
 import numpy as np
 
 from autopolicy import policies
-from autopolicy.nn import _context
+from autopolicy.nn import _base, _context
 from autopolicy.nn._module import Module
 from autopolicy.nn.calibration import calibrate
+from autopolicy.nn.weight_calibration import calibrate_weights, with_calibrated_placeholders
 from autopolicy.numerics import kernels
 from autopolicy.search import _checks
 from autopolicy.search.adapter import (Program, TunableLayer, cast_floating, digest_arrays, register_adapter,
@@ -74,6 +80,12 @@ def _config_without_name(layer: Module) -> Any:
     return config
 
 
+def _weights_calibrated(policy: policies.DTypePolicy) -> bool:
+    """Whether the policy's weights need a calibration pass of their own (GPTQ, AWQ)."""
+    mode = policy.quantization_mode
+    return mode is not None and policies.get_quantization_mode(mode).calibrated
+
+
 def _call_layer(layer: Module, args: tuple, kwargs: dict) -> Any:
     return layer(*args, **kwargs)
 
@@ -107,6 +119,8 @@ class NNAdapter:
             raise ValueError(f"The model failed on sample_input: {type(e).__name__}: {e}") from e
         self._modules = self.model.layers_by_path()
         self._kernels: dict[str, dict[str, str]] = {}
+        self._calibration_args: dict[str, list[tuple]] | None = None
+        self._calibrated: dict[tuple[str, str], Module] = {}
         self._layers = tuple(self._describe(path) for path, call in self.calls.items()
                              if self._modules[path].tunable)
 
@@ -116,11 +130,11 @@ class NNAdapter:
         signature = json.dumps({"class": type(layer).__name__, "config": config, "weights": shapes_and_dtypes(layer),
                                 "inputs": shapes_and_dtypes((call.args, call.kwargs))}, sort_keys=True, default=str)
         first = jax.tree_util.tree_leaves((call.args, call.kwargs))[0]
-        # Modes that cannot take this layer's real input (float8 on integer ids) are left out, and
-        # so are modes whose weights need a calibration pass of their own (GPTQ, AWQ).
+        # Modes that cannot take this layer's real input (float8 on integer ids) are left out;
+        # GPTQ and AWQ (weight-only: float inputs through a float product) take any input.
         modes = tuple(m for m in layer.supported_quantization_modes
-                      if not policies.get_quantization_mode(m).calibrated
-                      and _checks.input_problem(call.args, f"{m}_from_float32") is None)
+                      if policies.get_quantization_mode(m).calibrated
+                      or _checks.input_problem(call.args, f"{m}_from_float32") is None)
         return TunableLayer(path, type(layer).__name__, modes, signature, tuple(np.shape(first)), call.producer)
 
     def layers(self) -> tuple[TunableLayer, ...]:
@@ -129,7 +143,7 @@ class NNAdapter:
     def layer_program(self, path: str, policy: policies.DTypePolicy, kernel: str | None = None) -> Program:
         call = self.calls[path]
         args, kwargs = cast_floating((call.args, call.kwargs), policy.compute_dtype)
-        layer = self._modules[path].with_dtype_policy(policy)
+        layer = self._layer_under(path, policy)
         if kernel is not None:
             layer = layer.with_kernels({path: kernel})
         return Program(_call_layer, (args, kwargs), layer)
@@ -147,8 +161,36 @@ class NNAdapter:
         """Every later :meth:`with_policies` runs, per layer, the kernel chosen for its policy."""
         self._kernels = {path: dict(by_policy) for path, by_policy in choice.items()}
 
+    def _layer_under(self, path: str, policy: policies.DTypePolicy) -> Module:
+        """The layer under ``policy``; GPTQ/AWQ weights calibrated on its float inputs (cached)."""
+        layer = self._modules[path].with_dtype_policy(policy)
+        if not _weights_calibrated(policy):
+            return layer
+        key = (path, policy.name)
+        if key not in self._calibrated:
+            self._calibrated[key] = calibrate_weights(layer, self._layer_inputs(path), sequential=False)
+        return self._calibrated[key]
+
+    def _layer_inputs(self, path: str) -> list[tuple]:
+        """The positional arguments ``path`` receives when the float model runs on each
+        calibration batch (the sample input when there are none), recorded once for all layers."""
+        if self._calibration_args is None:
+            recorded: dict[str, list[tuple]] = {}
+            for batch in self.calibration or [self.sample_args]:
+                batch = batch if isinstance(batch, tuple) else (batch,)
+                for p, call in record_calls(self.model, *batch).items():
+                    recorded.setdefault(p, []).append(tuple(call.args))
+            self._calibration_args = recorded
+        if path not in self._calibration_args:
+            raise ValueError(f"The calibration batches never reach {path!r}: its GPTQ/AWQ weights cannot be "
+                             "calibrated.")
+        return self._calibration_args[path]
+
     def layer_bytes(self, path: str, policy: policies.DTypePolicy) -> int:
-        return int(self._modules[path].with_dtype_policy(policy).nbytes())
+        layer = self._modules[path].with_dtype_policy(policy)
+        if _weights_calibrated(policy):  # the calibrated form's sizes, without calibrating
+            layer = with_calibrated_placeholders(layer, [path])
+        return int(layer.nbytes())
 
     def complete_map(self, assignment: dict[str, policies.DTypePolicy]) -> policies.DTypePolicyMap:
         """Parameter-free layers that consume a retyped layer's output follow its compute dtype."""
@@ -163,6 +205,10 @@ class NNAdapter:
 
     def with_policies(self, policy_map: policies.DTypePolicyMap) -> Module:
         model = self.model.with_dtype_policy(policy_map)
+        calibrated = {path: self._layer_under(path, layer.dtype_policy)
+                      for path, layer in model.layers_by_path().items() if _weights_calibrated(layer.dtype_policy)}
+        if calibrated:
+            model = _base.map_modules(model, lambda m: calibrated.get(m.path))
         layers = model.layers_by_path()
         chosen = {path: by_policy[layers[path].dtype_policy.name] for path, by_policy in self._kernels.items()
                   if path in layers and layers[path].dtype_policy.name in by_policy}
