@@ -134,16 +134,30 @@ def test_bfloat16_inputs_give_bfloat16_outputs_within_its_rounding():
 
 
 @needs_kernel
-def test_act_order_g_idx_falls_back_to_xla_bit_for_bit():
-    weights, q, zero, scale = _weights(40, 128, 4, 32, seed=31)
-    weights["g_idx"] = jnp.asarray(np.random.default_rng(32).permutation(np.asarray(weights["g_idx"])))
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_act_order_g_idx_dequantizes_each_weight_with_its_group(path, bits, path_restored):
+    cpu_kernels.set_path(path)
+    weights, q, zero, scale = _weights(41, 128, bits, 32, seed=31 + bits)
+    permuted = np.random.default_rng(32).permutation(np.asarray(weights["g_idx"]))
+    weights["g_idx"] = jnp.asarray(permuted)
     x = _inputs(2, 128, seed=33)
-    got, ref = _run(x, weights, (4, 32), "cpu_ffi"), _run(x, weights, (4, 32), "xla")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-    # The choice is made on the device: both products are in the program.
-    text = jax.jit(lambda x_, w_: weight_only.einsum_kernel("mk,kn->mn", x_, w_, (4, 32), jnp.float32,
-                                                            kernel="cpu_ffi")).lower(x, weights).as_text()
-    assert "autopolicy_weight_only_matmul" in text and "stablehlo.case" in text
+    got, ref = _run(x, weights, (bits, 32), "cpu_ffi"), _run(x, weights, (bits, 32), "xla")
+    g = permuted.astype(int)
+    bound = np.abs(np.asarray(x, np.float64)) @ (np.asarray(scale, np.float64)[:, g] * (q + zero[:, g])).T
+    assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64)) <= RTOL * bound)
+    # The natural-order kernel would be far off here: the check is real.
+    natural = dict(weights, g_idx=jnp.asarray(weight_only.group_index(128, 32)))
+    assert float(jnp.max(jnp.abs(_run(x, natural, (bits, 32), "cpu_ffi") - ref))) > 1e-2
+
+
+@needs_kernel
+def test_a_g_idx_outside_the_groups_is_refused_naming_the_entry():
+    weights, _, _, _ = _weights(8, 64, 4, 32, seed=34)
+    bad = np.asarray(weight_only.group_index(64, 32)).copy()
+    bad[5] = 2.0  # two groups: 0 and 1
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"g_idx\[5\] = 2\.0+ is not a group in \[0, 2\)"):
+        _run(_inputs(1, 64, seed=35), dict(weights, g_idx=jnp.asarray(bad)), (4, 32), "cpu_ffi").block_until_ready()
 
 
 @needs_kernel
@@ -206,6 +220,8 @@ def test_bad_operands_are_named():
         cpu_weight_only.weight_only_matmul(x, q, s, z, 8, 32)
     with pytest.raises(ValueError, match=r"zero must be uint8\[8, 2\].*Received: float32\[8, 2\]"):
         cpu_weight_only.weight_only_matmul(x, q, s, z.astype(jnp.float32), 4, 32)
+    with pytest.raises(ValueError, match=r"g_idx must be float32\[64\].*Received: float32\[63\]"):
+        cpu_weight_only.weight_only_matmul(x, q, s, z, 4, 32, jnp.zeros((63,), jnp.float32))
     assert cpu_weight_only.weight_only_matmul(x, q, s, z, 4, 32).shape == (1, 8)
 
 

@@ -13,10 +13,14 @@ Accuracy: the result differs from the XLA path's by float32 rounding only, of th
 ``1e-6 * sum_k |x[k]| * scale[n, g(k)] * (q[n, k] + zero[n, g(k)])`` (the terms the kernel
 sums; the tests hold it to 1e-5 of that).
 
-Fallbacks to the XLA path, chosen while tracing or, for ``g_idx``, on the device: a ``g_idx``
-that is not ``k // group_size`` (GPTQ's act-order permutes the groups), operands laid out over
-several devices, and einsums that are not one product ``x[..., k] @ kernel[k, n]``. Gradients
-flow to the inputs through the XLA path (a custom VJP); the quantized weights get none.
+A ``g_idx`` that is not ``k // group_size`` (GPTQ's act-order assigns inputs to groups out of
+order) is seen by the kernel, which then dequantizes each weight with its own group's scale and
+zero point (plain C++ on every path: the XLA path's math, the stored bytes still read once). The
+check is in the kernel because ``g_idx`` is an array: choosing the XLA path on the device
+(``lax.cond``) cost about 10 us a call at 576 x 576, a millisecond per SmolLM2 decode step.
+Fallbacks to the XLA path, chosen while tracing: operands laid out over several devices, and
+einsums that are not one product ``x[..., k] @ kernel[k, n]``. Gradients flow to the inputs
+through the XLA path (a custom VJP); the quantized weights get none.
 
 >>> AVAILABLE in (True, False)
 True
@@ -84,9 +88,9 @@ def _check_kernel(kernel: Any) -> None:
 
 
 def weight_only_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
-                       group: int) -> jax.Array:
+                       group: int, g_idx: jax.Array | None = None) -> jax.Array:
     """``x @ W^T`` ``(M, N)`` float32 for float32 ``x`` ``(M, K)`` and the weights
-    ``W[n, k] = scale[n, g] * (q[n, k] - zero[n, g])``, ``g = k // group``.
+    ``W[n, k] = scale[n, g] * (q[n, k] - zero[n, g])``, ``g = g_idx[k]`` (by default ``k // group``).
 
     Args:
       x: float32 ``(M, K)``.
@@ -96,6 +100,8 @@ def weight_only_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.A
       zero: uint8 ``(N, G)``.
       bits: 4 (packed) or 8 (one value a byte: 2-, 3- and 8-bit weights).
       group: Inputs per group, in ``[1, K]`` (``K``: one group, per channel).
+      g_idx: float32 ``(K,)``, each input's group (whole numbers in ``[0, G)``; checked by the
+        kernel, which fails naming the first bad entry); None: ``k // group``.
 
     Raises:
       ValueError: naming the operand of the wrong rank, dtype or shape, or a bad ``bits`` or
@@ -110,9 +116,11 @@ def weight_only_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.A
     if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= max(k, 1):
         raise ValueError(f"weight_only_matmul: group must be an int in [1, {k}]. Received: group={group!r}")
     n, groups = scale.shape[0] if scale.ndim == 2 else -1, -(-k // group)
+    if g_idx is None:
+        g_idx = jnp.asarray(weight_only.group_index(k, group))
     expected = {"q": (((n + 1) // 2 if bits == 4 else n, k), jnp.uint8), "scale": ((n, groups), jnp.float32),
-                "zero": ((n, groups), jnp.uint8)}
-    for name, array in (("scale", scale), ("q", q), ("zero", zero)):
+                "zero": ((n, groups), jnp.uint8), "g_idx": ((k,), jnp.float32)}
+    for name, array in (("scale", scale), ("q", q), ("zero", zero), ("g_idx", g_idx)):
         shape, dtype = expected[name]
         if tuple(array.shape) != shape or array.dtype != dtype:
             raise ValueError(f"weight_only_matmul: {name} must be {jnp.dtype(dtype).name}{list(shape)} (x is "
@@ -121,7 +129,7 @@ def weight_only_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.A
     if reason is not None:
         raise RuntimeError(f"autopolicy's weight-only CPU kernel is not available: {reason}.")
     out = jax.ShapeDtypeStruct((m, n), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out)(x, q, scale, zero, bits=np.int64(bits), group=np.int64(group))
+    return jax.ffi.ffi_call(_TARGET, out)(x, q, scale, zero, g_idx, bits=np.int64(bits), group=np.int64(group))
 
 
 def _plan(equation: str) -> bool:
@@ -153,7 +161,8 @@ def _ffi_product(x2: jax.Array, weights: dict, layout: tuple) -> jax.Array:
         xf = xf / weights["awq_scales"].astype(jnp.float32)
     group = k if group_size == weight_only.PER_CHANNEL else min(group_size, k)
     return weight_only_matmul(xf, weights["kernel"], weights["kernel_scale"].astype(jnp.float32),
-                              weights["kernel_zero"], 4 if bits == 4 else 8, group)
+                              weights["kernel_zero"], 4 if bits == 4 else 8, group,
+                              weights["g_idx"].astype(jnp.float32))
 
 
 def _xla_product(x2: jax.Array, weights: dict, layout: tuple, compute_dtype: Any) -> jax.Array:
@@ -162,13 +171,8 @@ def _xla_product(x2: jax.Array, weights: dict, layout: tuple, compute_dtype: Any
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _product(x2: jax.Array, weights: dict, layout: tuple, compute_dtype: Any) -> jax.Array:
-    """The FFI product where ``g_idx`` is the natural ``k // group_size`` (decided on the device:
-    ``g_idx`` is an array), else the XLA one."""
-    _, group_size = layout
-    natural = jnp.asarray(weight_only.group_index(x2.shape[1], group_size))
-    in_order = jnp.all(weights["g_idx"].astype(jnp.float32) == natural)
-    return jax.lax.cond(in_order, lambda: _ffi_product(x2, weights, layout).astype(compute_dtype),
-                        lambda: _xla_product(x2, weights, layout, compute_dtype))
+    """The FFI product in the compute dtype (the gradient: the XLA path's)."""
+    return _ffi_product(x2, weights, layout).astype(compute_dtype)
 
 
 def _product_fwd(x2, weights, layout, compute_dtype):

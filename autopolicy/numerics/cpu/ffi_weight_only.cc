@@ -1,6 +1,6 @@
 // The XLA FFI binding of the weight-only product (weight_only.h): checks shapes (naming the bad
-// operand), sums x over each group once, and runs the current path's kernel over the output
-// rows, split over XLA's intra-op thread pool when the weights are large enough to repay the
+// operand) and g_idx, sums x over each group once, and runs the current path's kernel over the
+// output rows (weight_only_any_groups where g_idx is not k / group: GPTQ's act-order), split over XLA's intra-op thread pool when the weights are large enough to repay the
 // hand-off (smaller products stay on the calling thread). No state across calls.
 #include <algorithm>
 #include <atomic>
@@ -61,9 +61,10 @@ ffi::Error invalid(const std::string& what) {
 std::string dims(int64_t a, int64_t b) { return "(" + std::to_string(a) + ", " + std::to_string(b) + ")"; }
 
 ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
-                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U8> zero, int64_t bits, int64_t group,
-                          ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U8> zero, ffi::Buffer<ffi::F32> g_idx,
+                          int64_t bits, int64_t group, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), zd = zero.dimensions();
+  auto gd = g_idx.dimensions();
   if (xd.size() != 2) return invalid("x must be (M, K); its rank is " + std::to_string(xd.size()));
   if (bits != 4 && bits != 8) return invalid("bits must be 4 (packed) or 8 (a byte each); got " + std::to_string(bits));
   const int64_t m = xd[0], k = xd[1];
@@ -75,6 +76,18 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (zd.size() != 2 || zd[0] != n || zd[1] != groups) return invalid("the zero point must be " + dims(n, groups));
   const int64_t rows = bits == 4 ? (n + 1) / 2 : n;
   if (qd.size() != 2 || qd[0] != rows || qd[1] != k) return invalid("the kernel must be " + dims(rows, k));
+  if (gd.size() != 1 || gd[0] != k) return invalid("g_idx must be (K,) with K = " + std::to_string(k));
+  // g_idx holds group numbers as floats (Keras's dtype): each must be a whole number in [0, G).
+  std::vector<int32_t> group_of(static_cast<size_t>(k));
+  bool consecutive = true;
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = g_idx.typed_data()[i];
+    if (!(v >= 0.0f && v < static_cast<float>(groups)) || v != static_cast<float>(static_cast<int32_t>(v)))
+      return invalid("g_idx[" + std::to_string(i) + "] = " + std::to_string(v) + " is not a group in [0, " +
+                     std::to_string(groups) + ")");
+    group_of[i] = static_cast<int32_t>(v);
+    consecutive = consecutive && group_of[i] == i / group;
+  }
   if (m == 0 || n == 0) return ffi::Error::Success();
 
   std::vector<float> xsum(static_cast<size_t>(m * groups));
@@ -87,7 +100,15 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     }
   const WeightOnlyArgs args{xp, m, k, q.typed_data(), n, bits, group, scale.typed_data(), zero.typed_data(),
                             xsum.data(), out->typed_data()};
-  const WeightOnlyFn kernel = weight_only_kernel();
+  const int32_t* groups_of = group_of.data();
+  const WeightOnlyFn fast = weight_only_kernel();
+  auto kernel = [consecutive, fast, groups_of](const WeightOnlyArgs& a, int64_t n0, int64_t n1) {
+    if (consecutive) {
+      fast(a, n0, n1);
+    } else {
+      weight_only_any_groups(a, groups_of, n0, n1);
+    }
+  };
   const int64_t parts = (n + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t threads = std::min<int64_t>(parts, std::max<int64_t>(1, pool.num_threads()));
   if (rows * k < kThreadedMinBytes || threads <= 1) {
@@ -110,6 +131,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyWeightOnlyMatmul, autopolicy_cpu::Weight
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group")
                                   .Ret<ffi::Buffer<ffi::F32>>());
