@@ -2,6 +2,8 @@
 timed side by side: jitted, warmed up, interleaved repetitions, medians and quartiles.
 
     .venv/bin/python experiments/bench_smollm2.py [--reps 30] [--policies float32 mixed_bfloat16 ...]
+    .venv/bin/python experiments/bench_smollm2.py --policies float32 gptq/4/32_from_float32 \
+        gptq/4/32_from_float32@cpu_ffi      # GPTQ/AWQ policies are calibrated first (minutes)
 
 Prints each policy's median milliseconds per decode step (tokens/s) with the interquartile
 range, and its speed-up over float32 with the quartiles of the per-round ratios.
@@ -21,13 +23,18 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import smollm2  # noqa: E402
 
+from autopolicy import nn  # noqa: E402
 from autopolicy.nn import generation  # noqa: E402
 
 
-def with_policy(model, spec: str):
-    """The model under a uniform policy, ``POLICY@KERNEL``: the layers that offer the kernel run it."""
+def with_policy(model, spec: str, calibrate=None):
+    """The model under a uniform policy, ``POLICY@KERNEL``: the layers that offer the kernel run it.
+    ``calibrate(model, policy) -> model`` sets the weights of GPTQ/AWQ policies (their layers run only
+    once calibrated)."""
     policy, _, kernel = spec.partition("@")
     tuned = model if policy == "float32" else model.with_dtype_policy(policy)
+    if policy.startswith(("gptq/", "awq/")):
+        tuned = calibrate(tuned, policy)
     if kernel:
         layers = tuned.layers_by_path()
         tuned = tuned.with_kernels({path: kernel for path, layer in layers.items()
@@ -40,12 +47,25 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--inner", type=int, default=5, help="decode steps per timed sample")
     parser.add_argument("--cache", type=int, default=smollm2.CACHE)
+    parser.add_argument("--calibration-windows", type=int, default=smollm2.BATCH,
+                        help="calibration-split windows GPTQ/AWQ policies are calibrated on")
     parser.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16", "int8_from_float32"],
                         help="uniform policies; POLICY@KERNEL runs every layer that has KERNEL with it "
                              "(int8_from_float32@cpu_ffi: autopolicy's CPU kernels)")
     args = parser.parse_args(argv)
-    model, _, _ = smollm2.load()
-    models = {p: with_policy(model, p) for p in args.policies}
+    model, _, tok = smollm2.load()
+    windows = smollm2.windows(tok, "calibration", None)
+    batches = [(windows[smollm2.WINDOWS + i : smollm2.WINDOWS + i + 1],) for i in range(args.calibration_windows)]
+    calibrated = {}
+
+    def calibrate(tuned, key):  # each policy once, whichever kernels run it
+        if key not in calibrated:
+            t0 = time.perf_counter()
+            calibrated[key] = nn.calibrate_weights(tuned, batches)
+            print(f"calibrated {key} on {len(batches)} windows in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        return calibrated[key]
+
+    models = {p: with_policy(model, p, calibrate) for p in args.policies}
     token, start, cache = smollm2.decode_input(model, args.cache)
     token, start = jnp.asarray(token[:, 0]), jnp.asarray(start)
 

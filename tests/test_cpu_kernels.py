@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autopolicy.numerics import cpu_kernels, int4, int8, kernels
+from autopolicy.numerics import cpu_kernels, cpu_weight_only, int4, int8, kernels
 from autopolicy.numerics.device import Device
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason=f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -253,4 +253,6 @@ def test_the_device_command_names_the_cpu_and_kernels(capsys):
                 if cpu_kernels.AVAILABLE else "cpu kernels: not available (")
     assert out[3].startswith(expected)
     assert out[5].startswith("int4 kernels timed by the search here: xla") and "(default without a measurement: xla)" in out[5]
+    ffi = ", cpu_ffi" if cpu_weight_only.AVAILABLE and jax.device_count() == 1 else ""
+    assert out[7] == f"gptq kernels timed by the search here: xla{ffi} (default without a measurement: xla)"
     assert out[-1].startswith(f"jax {jax.__version__}, jaxlib ")

@@ -183,7 +183,7 @@ def test_candidates_are_the_kernels_worth_timing_default_first(name):
 
 
 def test_kernel_tables_name_each_kernel_once_per_mode():
-    assert [m for m, _ in kernels.MODE_KERNELS] == ["int8", "int4", "float8"]
+    assert [m for m, _ in kernels.MODE_KERNELS] == ["int8", "int4", "float8", "gptq", "awq"]
     assert tuple(s.name for s in kernels.kernel_specs("int8")) == int8.INT8_KERNELS == ("s8s8", "u8s8", "cpu_ffi")
     assert tuple(s.name for s in kernels.kernel_specs("int4")) == int4.INT4_KERNELS == ("xla", "cpu_ffi")
     assert tuple(s.name for s in kernels.kernel_specs("float8")) == float8.FLOAT8_KERNELS
@@ -196,7 +196,9 @@ def test_kernel_tables_name_each_kernel_once_per_mode():
 def test_an_unknown_kernel_name_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"Invalid int8 kernel\. Expected one of \('s8s8', 'u8s8', 'cpu_ffi'\)\. Received: kernel='vnni'"):
         kernels.kernel_spec("int8", "vnni")
-    with pytest.raises(ValueError, match=r"'gptq' has no choice of kernels; modes with kernels: \('int8', 'int4', 'float8'\)"):
+    with pytest.raises(ValueError, match=r"'bfloat16' has no choice of kernels; modes with kernels: \('int8', 'int4', 'float8', 'gptq', 'awq'\)"):
+        kernels.kernel_spec("bfloat16", "s8s8")
+    with pytest.raises(ValueError, match=r"Invalid gptq kernel\. Expected one of \('xla', 'cpu_ffi'\)\. Received: kernel='s8s8'"):
         kernels.kernel_spec("gptq", "s8s8")
     with pytest.raises(ValueError, match=r"Invalid int4 kernel\. Expected one of \('xla', 'cpu_ffi'\)\. Received: kernel='s8s8'"):
         kernels.kernel_spec("int4", "s8s8")

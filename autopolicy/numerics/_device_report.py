@@ -30,7 +30,7 @@ def device_report() -> str:
                      f"runs: {', '.join(cpu_kernels.supported_paths())}; in use: {cpu_kernels.path()}")
     else:
         lines.append(f"cpu kernels: not available ({cpu_kernels.unavailable_reason()}): XLA kernels only")
-    for mode in ("int8", "int4", "float8"):
+    for mode in ("int8", "int4", "float8", "gptq", "awq"):
         candidates = kernels.candidate_kernels(mode, "einsum", device)
         lines.append(f"{mode} kernels timed by the search here: {', '.join(candidates)} "
                      f"(default without a measurement: {kernels.default_kernel(mode, 'einsum', device)})")

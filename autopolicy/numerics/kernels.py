@@ -12,6 +12,8 @@ the layer's real shape on the target (like TensorRT's tactics); without a measur
 - float8: ``"fp8_dot"`` (a real float8 product: e4m3 operands, float32 accumulation, then the
   scales) on GPUs of compute capability 8.9 or higher; ``"emulated"`` (quantize-dequantize, then
   a product in the compute dtype) elsewhere.
+- gptq, awq: ``"xla"`` (dequantize, then a float product); ``"cpu_ffi"``, autopolicy's CPU
+  kernel (:mod:`autopolicy.numerics.cpu_weight_only`), only where a measurement chose it.
 
 Products of 16-bit float policies (``bfloat16``, ``float16``, ``mixed_*``) are listed under the
 pseudo-mode ``"float"`` (:mod:`autopolicy.numerics.float_dot`): ``"xla"``, XLA's dot in the compute
@@ -34,7 +36,7 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-from autopolicy.numerics import cpu_kernels, float8, float_dot, int4, int8
+from autopolicy.numerics import cpu_kernels, cpu_weight_only, float8, float_dot, int4, int8, weight_only
 from autopolicy.numerics.device import Device, current_device
 
 __all__ = [
@@ -43,6 +45,8 @@ __all__ = [
     "INT8_KERNEL_SPECS",
     "INT4_KERNEL_SPECS",
     "FLOAT8_KERNEL_SPECS",
+    "GPTQ_KERNEL_SPECS",
+    "AWQ_KERNEL_SPECS",
     "FLOAT_KERNEL_SPECS",
     "kernel_specs",
     "kernel_spec",
@@ -160,6 +164,34 @@ INT4_KERNEL_SPECS: tuple[KernelSpec, ...] = (
     ),
 )
 
+def _weight_only_specs(mode: str) -> tuple[KernelSpec, ...]:
+    return (
+        KernelSpec(
+            mode=mode,
+            name="xla",
+            ops=(("einsum", _bind(weight_only.einsum_kernel, "xla")),),
+            available=functools.partial(cpu_weight_only.kernel_available, "xla"),
+            exact=True,
+            summary="the whole kernel dequantized to the compute dtype, then XLA's float product",
+        ),
+        KernelSpec(
+            mode=mode,
+            name="cpu_ffi",
+            ops=(("einsum", _bind(cpu_weight_only.einsum_kernel, "cpu_ffi")),),
+            available=functools.partial(cpu_weight_only.kernel_available, "cpu_ffi"),
+            exact=False,
+            summary="autopolicy's own CPU kernel through the XLA FFI: the stored bytes read once, values "
+                    "converted in registers, group scales and zero points applied per group; within float32 "
+                    "rounding of 'xla' (which it falls back to for act-order g_idx and sharded operands)",
+            needs_library=True,
+        ),
+    )
+
+
+#: The GPTQ and AWQ kernels (weight-only: float inputs).
+GPTQ_KERNEL_SPECS: tuple[KernelSpec, ...] = _weight_only_specs("gptq")
+AWQ_KERNEL_SPECS: tuple[KernelSpec, ...] = _weight_only_specs("awq")
+
 FLOAT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
     KernelSpec(
         mode="float8",
@@ -215,12 +247,17 @@ MODE_KERNELS: tuple[tuple[str, tuple[KernelSpec, ...]], ...] = (
     ("int8", INT8_KERNEL_SPECS),
     ("int4", INT4_KERNEL_SPECS),
     ("float8", FLOAT8_KERNEL_SPECS),
+    ("gptq", GPTQ_KERNEL_SPECS),
+    ("awq", AWQ_KERNEL_SPECS),
 )
 
 _DEFAULTS: dict[str, Callable[[Device], str]] = {
     "int8": int8.default_int8_kernel,
     "int4": int4.default_int4_kernel,
     "float8": float8.default_float8_kernel,
+    # "xla" for GPTQ and AWQ: the FFI kernel runs only where a measurement chose it, as int4's.
+    "gptq": lambda device: "xla",
+    "awq": lambda device: "xla",
 }
 
 
@@ -229,7 +266,9 @@ def kernel_specs(mode: str) -> tuple[KernelSpec, ...]:
 
     >>> [spec.name for spec in kernel_specs("int8")]
     ['s8s8', 'u8s8', 'cpu_ffi']
-    >>> kernel_specs("gptq")
+    >>> [spec.name for spec in kernel_specs("gptq")]
+    ['xla', 'cpu_ffi']
+    >>> kernel_specs("float16")
     ()
     """
     if mode == "float":

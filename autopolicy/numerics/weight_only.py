@@ -217,12 +217,20 @@ def uncalibrated_weights(kernel: jax.Array, contract_axes: Sequence[int], op: st
 
 def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, compute_dtype: Any,
                   kernel: str | None = None) -> jax.Array:
-    """The modes' einsum op: the dequantized kernel in the compute dtype, then a float product.
+    """The modes' einsum op; ``kernel`` names the kernel: ``"xla"`` (or None), the dequantized
+    kernel in the compute dtype, then a float product; ``"cpu_ffi"``, autopolicy's CPU kernel
+    (:mod:`autopolicy.numerics.cpu_weight_only`).
 
     Raises:
       UncalibratedError: if the weights were never calibrated.
+      ValueError: for an unknown kernel.
     """
-    del kernel  # one kernel
+    if kernel == "cpu_ffi":
+        from autopolicy.numerics import cpu_weight_only  # it builds on this module
+
+        return cpu_weight_only.einsum_kernel(equation, x, weights, layout, compute_dtype, kernel)
+    if kernel not in (None, "xla"):
+        raise ValueError(f"Invalid GPTQ/AWQ kernel. Expected one of ('xla', 'cpu_ffi'). Received: kernel={kernel!r}")
     if not is_calibrated(weights):
         raise UncalibratedError("A GPTQ/AWQ layer runs only once calibrated: call "
                                 "autopolicy.nn.calibrate_weights(model, batches) first.")

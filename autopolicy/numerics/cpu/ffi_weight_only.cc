@@ -1,0 +1,139 @@
+// The XLA FFI binding of the weight-only product (weight_only.h): checks shapes (naming the bad
+// operand) and g_idx, sums x over each group once, and runs the current path's kernel over the
+// output rows (weight_only_any_groups where g_idx is not k / group: GPTQ's act-order), split over XLA's intra-op thread pool when the weights are large enough to repay the
+// hand-off (smaller products stay on the calling thread). No state across calls.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels.h"
+#include "weight_only.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace autopolicy_cpu {
+
+WeightOnlyFn weight_only_kernel() {
+#if defined(__x86_64__)
+  if (std::strcmp(current_path().name, "avx2") == 0) return weight_only_avx2;
+#endif
+  return weight_only_portable;
+}
+
+namespace {
+
+// Below this many weight bytes a call stays on the calling thread. Measured at 576 x 1536, 4-bit
+// (442 KB), batch 1, groups of 32 and 128, two interleaved runs at load 10 on the 2-core EPYC:
+// one thread 141-150 and 97-129 us, split over the pool 192-867 and 142-556 us (a helper that
+// is descheduled mid-part holds the call up); at 4096 x 4096 the two were within the noise.
+constexpr int64_t kThreadedMinBytes = 1024 * 1024;
+// Output rows per task (even: a packed byte row is never split).
+constexpr int64_t kRowsPerTask = 64;
+
+// Runs part(p) for p in [0, parts) on the calling thread and up to threads - 1 of the pool's;
+// parts are claimed from a shared counter, so the caller only waits for parts already started.
+template <typename Part>
+void share_parts(ffi::ThreadPool& pool, int64_t parts, int64_t threads, Part part) {
+  struct Progress {
+    std::atomic<int64_t> claimed{0};
+    std::atomic<int64_t> finished{0};
+  };
+  auto progress = std::make_shared<Progress>();
+  auto worker = [progress, parts, part]() {
+    for (int64_t p = progress->claimed.fetch_add(1); p < parts; p = progress->claimed.fetch_add(1)) {
+      part(p);
+      progress->finished.fetch_add(1);
+    }
+  };
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([worker]() { worker(); });
+  worker();
+  while (progress->finished.load() < parts) std::this_thread::yield();
+}
+
+ffi::Error invalid(const std::string& what) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "autopolicy weight-only matmul: " + what);
+}
+
+std::string dims(int64_t a, int64_t b) { return "(" + std::to_string(a) + ", " + std::to_string(b) + ")"; }
+
+ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U8> zero, ffi::Buffer<ffi::F32> g_idx,
+                          int64_t bits, int64_t group, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), zd = zero.dimensions();
+  auto gd = g_idx.dimensions();
+  if (xd.size() != 2) return invalid("x must be (M, K); its rank is " + std::to_string(xd.size()));
+  if (bits != 4 && bits != 8) return invalid("bits must be 4 (packed) or 8 (a byte each); got " + std::to_string(bits));
+  const int64_t m = xd[0], k = xd[1];
+  if (group < 1 || group > std::max<int64_t>(k, 1))
+    return invalid("group must be in [1, K] with K = " + std::to_string(k) + "; got " + std::to_string(group));
+  if (sd.size() != 2) return invalid("the scale must be (N, G); its rank is " + std::to_string(sd.size()));
+  const int64_t n = sd[0], groups = (k + group - 1) / group;
+  if (sd[1] != groups) return invalid("the scale must be (N, G) with G = " + std::to_string(groups));
+  if (zd.size() != 2 || zd[0] != n || zd[1] != groups) return invalid("the zero point must be " + dims(n, groups));
+  const int64_t rows = bits == 4 ? (n + 1) / 2 : n;
+  if (qd.size() != 2 || qd[0] != rows || qd[1] != k) return invalid("the kernel must be " + dims(rows, k));
+  if (gd.size() != 1 || gd[0] != k) return invalid("g_idx must be (K,) with K = " + std::to_string(k));
+  // g_idx holds group numbers as floats (Keras's dtype): each must be a whole number in [0, G).
+  std::vector<int32_t> group_of(static_cast<size_t>(k));
+  bool consecutive = true;
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = g_idx.typed_data()[i];
+    if (!(v >= 0.0f && v < static_cast<float>(groups)) || v != static_cast<float>(static_cast<int32_t>(v)))
+      return invalid("g_idx[" + std::to_string(i) + "] = " + std::to_string(v) + " is not a group in [0, " +
+                     std::to_string(groups) + ")");
+    group_of[i] = static_cast<int32_t>(v);
+    consecutive = consecutive && group_of[i] == i / group;
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+
+  std::vector<float> xsum(static_cast<size_t>(m * groups));
+  const float* xp = x.typed_data();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t i = g * group; i < std::min(k, (g + 1) * group); ++i) s += xp[r * k + i];
+      xsum[r * groups + g] = s;
+    }
+  const WeightOnlyArgs args{xp, m, k, q.typed_data(), n, bits, group, scale.typed_data(), zero.typed_data(),
+                            xsum.data(), out->typed_data()};
+  const int32_t* groups_of = group_of.data();
+  const WeightOnlyFn fast = weight_only_kernel();
+  auto kernel = [consecutive, fast, groups_of](const WeightOnlyArgs& a, int64_t n0, int64_t n1) {
+    if (consecutive) {
+      fast(a, n0, n1);
+    } else {
+      weight_only_any_groups(a, groups_of, n0, n1);
+    }
+  };
+  const int64_t parts = (n + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t threads = std::min<int64_t>(parts, std::max<int64_t>(1, pool.num_threads()));
+  if (rows * k < kThreadedMinBytes || threads <= 1) {
+    kernel(args, 0, n);
+    return ffi::Error::Success();
+  }
+  share_parts(pool, parts, threads, [args, kernel, n](int64_t p) {
+    kernel(args, p * kRowsPerTask, std::min(n, (p + 1) * kRowsPerTask));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace autopolicy_cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyWeightOnlyMatmul, autopolicy_cpu::WeightOnlyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
