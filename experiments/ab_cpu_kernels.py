@@ -10,7 +10,8 @@ be equal, int4 within float32 rounding (builds may round the block sums differen
 
 With ``--layers`` it times whole layers instead (float input, float output), as a model runs
 them: a jitted chain of ``--chain`` dependent calls (each input nudged by the previous output,
-so no call overlaps another), per call: float32 XLA dot; the other build's int8 and int4
+so no call overlaps another; each variant cycling through its own copies of the weights, about
+64 MB of them, so they stream from memory as a decoder's do), per call: float32 XLA dot; the other build's int8 and int4
 kernels between the package's XLA quantization and rescale (what the layers did before the
 fused calls); and the installed build's fused ``cpu_kernels.int8_dense`` / ``int4_dense``.
 Outputs must be equal (int8, int4 per channel) bit for bit.
@@ -96,13 +97,13 @@ def compare(k: int, n: int, m: int, rounds: int, seed: int = 0) -> str:
 
 
 def _chain(layer, length):
-    """``length`` dependent calls of ``layer(x)``: the next x is x plus a tiny multiple of the
-    output's first column (so every call waits for the one before, as layers of a model do)."""
-    def run(x, *weights):
-        y = layer(x, *weights)
-        for _ in range(length - 1):
+    """``length`` dependent calls of ``layer(x, *weights[i % len(weights)])``: the next x is x plus
+    a tiny multiple of the output's first column (so every call waits for the one before, as
+    layers of a model do)."""
+    def run(x, weights):
+        for i in range(length):
+            y = layer(x, *weights[i % len(weights)])
             x = x + 1e-30 * y[:, :1]
-            y = layer(x, *weights)
         return y
     return jax.jit(run)
 
@@ -121,23 +122,28 @@ def _old_int4_layer(x, packed, scale):
     return y * xs
 
 
-def compare_layers(k: int, n: int, m: int, rounds: int, chain: int, seed: int = 0) -> str:
+def compare_layers(k: int, n: int, m: int, rounds: int, chain: int, seed: int = 0, budget: float = 64e6) -> str:
+    """Each variant's chain cycles through its own copies of the weights, about ``budget`` bytes
+    of them (more than the L3 cache: the weights stream from memory, as a decoder's do)."""
     rng = np.random.default_rng(seed)
-    w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
-    w8, s8 = int8.quantize_symmetric(w, (0,))
-    q4, s4 = int4.quantize_int4(w, int4.PER_CHANNEL)
-    p4 = int4.pack_int4(q4)
+    copies = {kind: max(1, min(chain, int(budget // (k * n * per)))) for kind, per in (("f32", 4), ("int8", 1),
+                                                                                    ("int4", 0.5))}
+    floats = [jnp.asarray(np.random.default_rng(seed + c).standard_normal((k, n)).astype(np.float32))
+              for c in range(max(copies.values()))]
+    w8 = [int8.quantize_symmetric(w, (0,)) for w in floats[:copies["int8"]]]
+    w4 = [(int4.pack_int4(q), s) for q, s in (int4.quantize_int4(w, int4.PER_CHANNEL) for w in floats[:copies["int4"]])]
     fns = {
-        "f32": (_chain(lambda x, w: x @ w, chain), (x, w)),
-        "int8 old": (_chain(_old_int8_layer, chain), (x, w8, s8)),
-        "int8 new": (_chain(lambda x, w, s: cpu_kernels.int8_dense(x, w, s), chain), (x, w8, s8)),
-        "int4 old": (_chain(_old_int4_layer, chain), (x, p4, s4)),
-        "int4 new": (_chain(lambda x, p, s: cpu_kernels.int4_dense(x, p, s, k), chain), (x, p4, s4)),
+        "f32": (_chain(lambda x, w: x @ w, chain), (x, [(w,) for w in floats[:copies["f32"]]])),
+        "int8 old": (_chain(_old_int8_layer, chain), (x, w8)),
+        "int8 new": (_chain(lambda x, w, s: cpu_kernels.int8_dense(x, w, s), chain), (x, w8)),
+        "int4 old": (_chain(_old_int4_layer, chain), (x, w4)),
+        "int4 new": (_chain(lambda x, p, s: cpu_kernels.int4_dense(x, p, s, k), chain), (x, w4)),
     }
     for kind in ("int8", "int4"):
         a, b = (np.asarray(fns[f"{kind} {v}"][0](*fns[f"{kind} {v}"][1])) for v in ("old", "new"))
         np.testing.assert_array_equal(a, b, err_msg=kind)
+    del floats
     reps = max(1, min(20, int(2e7 / (m * k * n * chain))))
     runs = {name: _timer(fn, args, reps) for name, (fn, args) in fns.items()}
     times = {name: [] for name in runs}
