@@ -370,8 +370,8 @@ def test_smollm2_experiment_times_a_decode_step_and_scores_perplexity_lower_is_b
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_a_decode_step_attends_like_the_full_causal_pass(dtype, tol):
-    """A one-token step with a cache (sums over the cache in its own layout) equals the full
-    pass without a cache (the einsum path) at that position, masked cache rows included."""
+    """A one-token step with a cache equals the full pass without a cache at that position; the
+    cache rows past the step (filled with 5.0) are masked out and left as they were."""
     from autopolicy.nn.llama import LlamaAttention
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, 16)).astype(np.float32))

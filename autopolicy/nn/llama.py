@@ -113,21 +113,6 @@ def rotary(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array) -> jax.Array:
-    """One query position against the cache, ``(batch, 1, kv_heads, groups, head_dim)``, as sums of
-    products in the cache's own layout (``(batch, length, kv_heads, head_dim)``), in at least
-    float32. The einsums of the general path make XLA transpose the whole key and value caches
-    for its dot at every step; here each is read once (measured on the 2-core AVX2 CPU: SmolLM2's
-    attention over a 256-long cache 413 -> 263 us a layer, at load 10)."""
-    acc = accumulation_dtype(q.dtype)
-    qs = q[:, 0].astype(acc)  # (batch, kv_heads, groups, head_dim)
-    logits = jnp.sum(qs[:, None] * keys.astype(acc)[:, :, :, None, :], axis=-1)  # (batch, length, kv, groups)
-    logits = jnp.where(allowed[None, :, None, None], logits, jnp.finfo(acc).min)
-    probs = jax.nn.softmax(logits, axis=1)
-    out = jnp.sum(probs[..., None] * values.astype(acc)[:, :, :, None, :], axis=1)  # (batch, kv, groups, head_dim)
-    return out[:, None].astype(q.dtype)
-
-
 class LlamaAttention(Module):
     """Causal grouped-query attention with rotary embeddings and an optional key/value cache.
 
@@ -189,16 +174,13 @@ class LlamaAttention(Module):
         groups = self.heads // self.kv_heads
         q = q.reshape(batch, time, self.kv_heads, groups, self.head_dim)
         q = q * jnp.asarray(1.0 / math.sqrt(self.head_dim), q.dtype)
+        kc, vc = keys.astype(q.dtype), values.astype(q.dtype)
+        logits = jnp.einsum("btkgd,bskd->bkgts", q, kc).astype(accumulation_dtype(q.dtype))
         allowed = key_positions[None, :] <= positions[:, None]
-        if time == 1 and cache is not None:
-            out = _decode_attention(q, keys, values, allowed[0])
-        else:
-            kc, vc = keys.astype(q.dtype), values.astype(q.dtype)
-            logits = jnp.einsum("btkgd,bskd->bkgts", q, kc).astype(accumulation_dtype(q.dtype))
-            logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
-            probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-            out = jnp.einsum("bkgts,bskd->btkgd", probs, vc)
-        out = self.attention_output(out.reshape(batch, time, self.heads, self.head_dim))
+        logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, vc).reshape(batch, time, self.heads, self.head_dim)
+        out = self.attention_output(out)
         return out if cache is None else (out, (keys, values))
 
 
