@@ -50,8 +50,11 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 constexpr int64_t kInt4GemmMinRows = kNever;
 int64_t g_gemm_min_rows[2] = {-1, -1};  // int8, int4; -1: not read yet
 
-// Measured on the 2-core AVX2 EPYC (see kernels.h): serial up to 576 x 576 int8 at one row.
-constexpr int64_t kSerialMaxBytes = 512 * 1024;
+// experiments/bench_cpu_serial.py on the shared 2-core AVX2 EPYC (loads 5 and 10; it was never
+// quiet): serial faster than split at batch 1 for every SmolLM2 block layer (up to 1536 x 576
+// int8, 864 KiB: 0.74-0.82x the split's time), mixed from 2 MiB (0.78-1.40x); above 1 MiB the
+// second core's bandwidth is left to pay on a quiet machine.
+constexpr int64_t kSerialMaxBytes = 1024 * 1024;
 int64_t g_serial_max_bytes = -2;  // -2: not read yet
 
 }  // namespace

@@ -92,7 +92,7 @@ void rescale_int4(const float* y, int64_t m, int64_t n, const float* x_scale, co
 
 // Calls whose weights are fewer than serial_max_bytes() bytes (times the rows of x) run on the
 // calling thread alone: below it, waking a pool thread and waiting for it costs more than the
-// half of the work it would take (measured on AVX2: reports/cpu-kernels-amd-epyc-avx2-2c.md).
+// half of the work it would take (measured: dispatch.cc).
 // set_serial_max_bytes sets it (tests, benchmarks; < 0 restores the default), as
 // AUTOPOLICY_CPU_SERIAL_BYTES does at load.
 int64_t serial_max_bytes();
