@@ -8,6 +8,14 @@ where they fit: these are kernel figures, not the layer figures of bench_cpu_ker
 speedup is the median over rounds of old time / new time, with its quartiles. int8 results must
 be equal, int4 within float32 rounding (builds may round the block sums differently).
 
+With ``--layers`` it times whole layers instead (float input, float output), as a model runs
+them: a jitted chain of ``--chain`` dependent calls (each input nudged by the previous output,
+so no call overlaps another; each variant cycling through its own copies of the weights, about
+64 MB of them, so they stream from memory as a decoder's do), per call: float32 XLA dot; the other build's int8 and int4
+kernels between the package's XLA quantization and rescale (what the layers did before the
+fused calls); and the installed build's fused ``cpu_kernels.int8_dense`` / ``int4_dense``.
+Outputs must be equal (int8, int4 per channel) bit for bit.
+
 Build the other library from a commit, for instance::
 
     git archive main autopolicy/numerics/cpu | tar -x -C /tmp/old
@@ -27,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.numerics import cpu_kernels, int4
+from autopolicy.numerics import cpu_kernels, int4, int8
 
 
 def _timer(fn, args, reps):
@@ -88,12 +96,76 @@ def compare(k: int, n: int, m: int, rounds: int, seed: int = 0) -> str:
     return f"{k}x{n} batch {m}: " + " | ".join(cells)
 
 
+def _chain(layer, length):
+    """``length`` dependent calls of ``layer(x, *weights[i % len(weights)])``: the next x is x plus
+    a tiny multiple of the output's first column (so every call waits for the one before, as
+    layers of a model do)."""
+    def run(x, weights):
+        for i in range(length):
+            y = layer(x, *weights[i % len(weights)])
+            x = x + 1e-30 * y[:, :1]
+        return y
+    return jax.jit(run)
+
+
+def _old_int8_layer(x, w, w_scale):
+    xq, xs = int8.quantize_symmetric(x, (1,))
+    acc = jax.ffi.ffi_call("ab_old_int8", jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.int32))(xq, w)
+    return acc.astype(jnp.float32) * (xs * w_scale)
+
+
+def _old_int4_layer(x, packed, scale):
+    xq, xs = int8.quantize_symmetric(x, (1,))
+    k = x.shape[1]
+    y = jax.ffi.ffi_call("ab_old_int4", jax.ShapeDtypeStruct((x.shape[0], packed.shape[1]), jnp.float32))(
+        xq, packed, scale, block=k)
+    return y * xs
+
+
+def compare_layers(k: int, n: int, m: int, rounds: int, chain: int, seed: int = 0, budget: float = 64e6) -> str:
+    """Each variant's chain cycles through its own copies of the weights, about ``budget`` bytes
+    of them (more than the L3 cache: the weights stream from memory, as a decoder's do)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    copies = {kind: max(1, min(chain, int(budget // (k * n * per)))) for kind, per in (("f32", 4), ("int8", 1),
+                                                                                    ("int4", 0.5))}
+    floats = [jnp.asarray(np.random.default_rng(seed + c).standard_normal((k, n)).astype(np.float32))
+              for c in range(max(copies.values()))]
+    w8 = [int8.quantize_symmetric(w, (0,)) for w in floats[:copies["int8"]]]
+    w4 = [(int4.pack_int4(q), s) for q, s in (int4.quantize_int4(w, int4.PER_CHANNEL) for w in floats[:copies["int4"]])]
+    fns = {
+        "f32": (_chain(lambda x, w: x @ w, chain), (x, [(w,) for w in floats[:copies["f32"]]])),
+        "int8 old": (_chain(_old_int8_layer, chain), (x, w8)),
+        "int8 new": (_chain(lambda x, w, s: cpu_kernels.int8_dense(x, w, s), chain), (x, w8)),
+        "int4 old": (_chain(_old_int4_layer, chain), (x, w4)),
+        "int4 new": (_chain(lambda x, p, s: cpu_kernels.int4_dense(x, p, s, k), chain), (x, w4)),
+    }
+    for kind in ("int8", "int4"):
+        a, b = (np.asarray(fns[f"{kind} {v}"][0](*fns[f"{kind} {v}"][1])) for v in ("old", "new"))
+        np.testing.assert_array_equal(a, b, err_msg=kind)
+    del floats
+    reps = max(1, min(20, int(2e7 / (m * k * n * chain))))
+    runs = {name: _timer(fn, args, reps) for name, (fn, args) in fns.items()}
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for i in rng.permutation(len(runs)):
+            name = list(runs)[i]
+            times[name].append(runs[name]() / chain)
+    med = {name: np.median(t) for name, t in times.items()}
+    cells = [f"{name} {med[name] * 1e6:.1f}" for name in runs]
+    gains = [f"{kind} new/old {np.median(np.array(times[f'{kind} old']) / np.array(times[f'{kind} new'])):.2f}x, "
+             f"vs f32 {med['f32'] / med[f'{kind} new']:.2f}x" for kind in ("int8", "int4")]
+    return f"{k}x{n} batch {m} (us/layer): " + ", ".join(cells) + " | " + "; ".join(gains)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="the other build's shared library")
     parser.add_argument("--shapes", nargs="+", default=["4096x4096", "576x1536"], help="K x N")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--layers", action="store_true", help="time whole layers (float in, float out)")
+    parser.add_argument("--chain", type=int, default=16, help="dependent layer calls per jitted program")
     args = parser.parse_args(argv)
     if not cpu_kernels.AVAILABLE:
         print(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
@@ -104,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes:
         k, n = (int(v) for v in shape.lower().split("x"))
         for m in args.batches:
-            print(compare(k, n, m, args.rounds), flush=True)
+            if args.layers:
+                print(compare_layers(k, n, m, args.rounds, args.chain), flush=True)
+            else:
+                print(compare(k, n, m, args.rounds), flush=True)
     return 0
 
 

@@ -1,6 +1,7 @@
 """autopolicy's own CPU kernels (XLA FFI): the integer accumulators equal the XLA kernels' bit
 for bit on every instruction-set path this CPU has, the portable one forced too; the float
-epilogue of int4 within float32 rounding; clean fallbacks and errors."""
+epilogue of int4 within float32 rounding; the fused dense calls (quantize, product, rescale,
+bias in one call) equal to the package's XLA path bit for bit; clean fallbacks and errors."""
 
 import os
 import subprocess
@@ -161,16 +162,19 @@ def test_the_gemm_threshold_is_settable():
 @needs_kernels
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("equation,x_shape,k_shape", [("mk,kn->mn", (7, 48), (48, 40)),
-                                                     ("btd,dhk->bthk", (2, 3, 32), (32, 4, 8))])
-def test_the_int8_einsum_is_bit_identical_to_xla(path, equation, x_shape, k_shape, path_restored):
+                                                     ("btd,dhk->bthk", (2, 3, 32), (32, 4, 8)),
+                                                     ("btd,hkd->bthk", (1, 1, 33), (4, 5, 33))])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])  # float16: the unfused call
+def test_the_int8_einsum_is_bit_identical_to_xla(path, equation, x_shape, k_shape, dtype, path_restored):
     cpu_kernels.set_path(path)
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal(x_shape).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal(x_shape).astype(np.float32)).astype(dtype)
     axes = int8.contracted_axes(equation)[1]
     kernel_q, scale = int8.quantize_symmetric(jnp.asarray(rng.standard_normal(k_shape).astype(np.float32)), axes)
-    xla = int8.int8_einsum(equation, x, kernel_q, scale, jnp.float32, None, "s8s8")
-    ffi = jax.jit(lambda a: int8.int8_einsum(equation, a, kernel_q, scale, jnp.float32, None, "cpu_ffi"))(x)
-    np.testing.assert_array_equal(np.asarray(ffi), np.asarray(xla))
+    xla = jax.jit(lambda a: int8.int8_einsum(equation, a, kernel_q, scale, dtype, None, "s8s8"))(x)
+    ffi = jax.jit(lambda a: int8.int8_einsum(equation, a, kernel_q, scale, dtype, None, "cpu_ffi"))(x)
+    assert ffi.dtype == jnp.dtype(dtype) and ffi.shape == xla.shape
+    np.testing.assert_array_equal(np.asarray(ffi.astype(jnp.float32)), np.asarray(xla.astype(jnp.float32)))
 
 
 @needs_kernels
@@ -185,6 +189,156 @@ def test_the_int4_einsum_matches_xla_within_rounding(path, block, path_restored)
     xla = int4.einsum_kernel("mk,kn->mn", x, weights, (block,), jnp.float32, kernel="xla")
     ffi = int4.einsum_kernel("mk,kn->mn", x, weights, (block,), jnp.float32, kernel="cpu_ffi")
     np.testing.assert_allclose(np.asarray(ffi), np.asarray(xla), rtol=2e-6, atol=2e-6 * float(jnp.max(jnp.abs(xla))))
+
+
+# --- the fused dense calls ------------------------------------------------------------------
+
+# (rows, K, N): batch 1 and 7, SmolLM2's narrowest layer, odd K, N not a multiple of 16 or 32.
+DENSE_SHAPES = [(1, 576, 192), (1, 577, 45), (7, 96, 33), (7, 33, 17), (2, 130, 300)]
+
+
+def _float_input(rows, k, seed, adversarial):
+    """Random rows of different magnitudes; adversarial: the row's extremes (quantized to -127 and
+    127), values at half steps of the scale (ties of the rounding), and a row of zeros."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)) * rng.uniform(0.01, 30.0, (rows, 1))
+    if adversarial:
+        amax = rng.uniform(0.5, 4.0, (rows, 1))
+        steps = rng.integers(-127, 127, (rows, k)) + rng.choice([0.0, 0.5], (rows, k))
+        x = np.where(rng.random((rows, k)) < 0.2, np.sign(rng.standard_normal((rows, k))) * amax, steps * amax / 127)
+        x[:, 0] = amax[:, 0]
+        x[-1] = 0.0  # batch 1: the whole input is zero
+    return x.astype(np.float32)
+
+
+def _int8_kernel(k, n, seed, adversarial):
+    rng = np.random.default_rng(seed)
+    q = rng.choice(np.array([-128, 127], np.int8), (k, n)) if adversarial else rng.integers(-127, 128, (k, n))
+    return q.astype(np.int8), rng.uniform(1e-3, 0.1, (1, n)).astype(np.float32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rows,k,n", DENSE_SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("adversarial", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_fused_int8_dense_equals_the_xla_path(path, rows, k, n, dtype, adversarial, with_bias, path_restored):
+    cpu_kernels.set_path(path)
+    x = jnp.asarray(_float_input(rows, k, rows * k + n, adversarial)).astype(dtype)
+    q, w_scale = _int8_kernel(k, n, k + n, adversarial)
+    bias = jnp.asarray(np.random.default_rng(n).standard_normal(n).astype(np.float32)).astype(dtype)
+    b = bias if with_bias else jnp.zeros((n,), dtype)
+
+    def xla(a, b):  # the layer as XLA runs it: quantize, s8 x s8 -> s32 dot, rescale, + bias
+        y = int8.int8_einsum("mk,kn->mn", a, q, w_scale, dtype, None, "s8s8")
+        return y + b if with_bias else y
+
+    expected = jax.jit(xla)(x, b)
+    got = jax.jit(lambda a, b: cpu_kernels.int8_dense(a, q, w_scale, b if with_bias else None))(x, b)
+    assert got.dtype == jnp.dtype(dtype) and got.shape == (rows, n)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32)))
+    if adversarial:  # the zero row quantizes to zeros: its output is the bias alone
+        np.testing.assert_array_equal(np.asarray(got[-1].astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)) if with_bias else np.zeros(n, np.float32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rows,k,n", DENSE_SHAPES)
+@pytest.mark.parametrize("block", ["channel", 32, 3])  # 3: odd blocks take the portable kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_fused_int4_dense_equals_the_unfused_call(path, rows, k, n, block, dtype, with_bias, path_restored):
+    """Against the XLA quantization and rescale around :func:`cpu_kernels.int4_matmul` (the
+    int4 layer's ``cpu_ffi`` path before the fused call): equal bit for bit."""
+    cpu_kernels.set_path(path)
+    block = k if block == "channel" else block
+    x = jnp.asarray(_float_input(rows, k, rows + k * n, adversarial=True)).astype(dtype)
+    rng = np.random.default_rng(block + n)
+    packed = int4.pack_int4(jnp.asarray(rng.choice(np.array([-8, 7, -1, 3], np.int8), (k, n))))
+    scale = jnp.asarray(rng.uniform(1e-3, 0.1, (-(-k // block), n)).astype(np.float32))
+    b = jnp.asarray(rng.standard_normal(n).astype(np.float32)).astype(dtype)
+
+    def unfused(a, b):
+        xq, xs = int8.quantize_symmetric(a, (1,))
+        y = (cpu_kernels.int4_matmul(xq, packed, scale, block) * xs).astype(dtype)
+        return y + b if with_bias else y
+
+    expected = jax.jit(unfused)(x, b)
+    got = jax.jit(lambda a, b: cpu_kernels.int4_dense(a, packed, scale, block, b if with_bias else None))(x, b)
+    assert got.dtype == jnp.dtype(dtype) and got.shape == (rows, n)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("k,n", [(576, 192), (1536, 576), (4096, 64)])
+def test_the_serial_threshold_changes_no_result(k, n):
+    """Both sides of the threshold (every call on the caller alone; every call split over the
+    pool: K slabs for int8 at batch 1, column chunks for int4) give the same outputs."""
+    default = cpu_kernels.serial_max_bytes()
+    assert default == 1024 * 1024
+    x = jnp.asarray(_float_input(1, k, k, adversarial=False))
+    q, w_scale = _int8_kernel(k, n, n, adversarial=False)
+    packed = int4.pack_int4(jnp.asarray(np.random.default_rng(k).integers(-8, 8, (k, n)).astype(np.int8)))
+    scale = jnp.asarray(np.random.default_rng(n).uniform(0.01, 1.0, (k // 32, n)).astype(np.float32))
+    int8_fn = jax.jit(lambda a: cpu_kernels.int8_dense(a, q, w_scale))
+    int4_fn = jax.jit(lambda a: cpu_kernels.int4_dense(a, packed, scale, 32))
+    results = []
+    try:
+        for nbytes in (0, 2**40):
+            cpu_kernels.set_serial_max_bytes(nbytes)
+            assert cpu_kernels.serial_max_bytes() == nbytes
+            results.append((np.asarray(int8_fn(x)), np.asarray(int4_fn(x))))
+    finally:
+        cpu_kernels.set_serial_max_bytes(None)
+    assert cpu_kernels.serial_max_bytes() == default
+    for split, serial in zip(*results):
+        assert np.abs(split).max() > 0
+        np.testing.assert_array_equal(split, serial)
+    with pytest.raises(ValueError, match=r"nbytes must be >= 0 \(or None for the default\). Received: nbytes=-5"):
+        cpu_kernels.set_serial_max_bytes(-5)
+
+
+@needs_kernels
+def test_the_fused_calls_name_bad_operands():
+    x, q, s = jnp.ones((2, 4)), jnp.ones((4, 3), jnp.int8), jnp.ones((1, 3))
+    with pytest.raises(ValueError, match=r"int8_dense: x must be a 2-D array of one of \('float32', 'bfloat16'\). "
+                                         r"Received: float16\[2, 4\]"):
+        cpu_kernels.int8_dense(x.astype(jnp.float16), q, s)
+    with pytest.raises(ValueError, match=r"int8_dense: x must be \(M, K\) and the kernel \(K, N\) int8. Received: "
+                                         r"x \[2, 4\], kernel int8\[5, 3\]"):
+        cpu_kernels.int8_dense(x, jnp.ones((5, 3), jnp.int8), s)
+    with pytest.raises(ValueError, match=r"the kernel scale must be float32 with 3 values. Received: float32\[1, 4\]"):
+        cpu_kernels.int8_dense(x, q, jnp.ones((1, 4)))
+    with pytest.raises(ValueError, match=r"the bias must be \(3,\) bfloat16 \(the output's dtype\). Received: "
+                                         r"float32\[3\]"):
+        cpu_kernels.int8_dense(x, q, s, jnp.ones((3,)), out_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"out_dtype must be one of \('float32', 'bfloat16'\). Received: "
+                                         r"out_dtype='float64'"):
+        cpu_kernels.int8_dense(x, q, s, out_dtype="float64")
+    packed, scale = jnp.ones((2, 3), jnp.uint8), jnp.ones((1, 3))
+    with pytest.raises(ValueError, match=r"int4_dense: block must be in \[1, 4\]. Received: block=5"):
+        cpu_kernels.int4_dense(x, packed, scale, 5)
+    with pytest.raises(ValueError, match=r"int4_dense: the scale must be float32 \(2, 3\). Received: float32\[1, 3\]"):
+        cpu_kernels.int4_dense(x, packed, scale, 2)
+    with pytest.raises(ValueError, match=r"the packed kernel needs 2 rows; it has 3"):
+        cpu_kernels.int4_dense(x, jnp.ones((3, 3), jnp.uint8), scale, 4)
+
+
+@needs_kernels
+def test_int4_gradients_flow_through_the_xla_path():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((3, 40)).astype(np.float32))
+    weights = int4._quantize_kernel(jnp.asarray(rng.standard_normal((40, 24)).astype(np.float32)), (0,), 8,
+                                    jnp.dtype(jnp.float32))
+
+    def loss(a, name):
+        return jnp.sum(int4.einsum_kernel("mk,kn->mn", a, weights, (8,), jnp.float32, kernel=name) ** 2)
+
+    ffi, xla = jax.grad(loss)(x, "cpu_ffi"), jax.grad(loss)(x, "xla")
+    assert float(jnp.max(jnp.abs(xla))) > 0
+    np.testing.assert_allclose(np.asarray(ffi), np.asarray(xla), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(xla))))
 
 
 @needs_kernels

@@ -366,3 +366,21 @@ def test_smollm2_experiment_times_a_decode_step_and_scores_perplexity_lower_is_b
     assert calibration.shape == (4, 128)
     metric = exp.eval_fn(exp.model)
     assert 12 < metric < 40  # a perplexity: the budget allows a rise to 1.02x
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_a_decode_step_attends_like_the_full_causal_pass(dtype, tol):
+    """A one-token step with a cache equals the full pass without a cache at that position; the
+    cache rows past the step (filled with 5.0) are masked out and left as they were."""
+    from autopolicy.nn.llama import LlamaAttention
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, 16)).astype(np.float32))
+    att = LlamaAttention(heads=4, kv_heads=2, head_dim=8, dtype=dtype).build(jax.random.key(1), x)
+    full = att(x)
+    cache = (jnp.zeros((2, 9, 2, 8)), jnp.full((2, 9, 2, 8), 5.0))  # rows past the step must not count
+    _, cache = att(x[:, :5], start=jnp.asarray(0, jnp.int32), cache=cache)
+    step, cache = att(x[:, 5:6], start=jnp.asarray(5, jnp.int32), cache=cache)
+    assert step.shape == (2, 1, 16) and step.dtype == full.dtype
+    np.testing.assert_allclose(np.asarray(step[:, 0], np.float32), np.asarray(full[:, 5], np.float32), rtol=tol,
+                               atol=tol)
+    assert float(jnp.abs(cache[1][:, 6:] - 5.0).max()) == 0.0

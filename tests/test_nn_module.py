@@ -312,3 +312,21 @@ def test_max_pooling_values_and_gradient():
     grad = jax.grad(lambda a: pool(a).sum())(x)
     assert float(grad.sum()) == 2 * 2 * 2 * 3  # one winner per window
     assert pool.with_dtype_policy("mixed_bfloat16")(x).dtype == jnp.bfloat16
+
+
+def test_flattening_reuses_the_aux_data_and_a_changed_copy_gets_its_own():
+    """jit hashes and compares every module's aux data at every call: a frozen module keeps its
+    own (the same object at every flatten, and after unflattening), a changed copy gets new."""
+    from autopolicy.nn import _base
+
+    layer = nn.Dense(3).build(jax.random.key(0), jnp.ones((2, 4)))
+    leaves, treedef = jax.tree_util.tree_flatten(layer)
+    aux = _base.flatten(layer)[1]
+    assert _base.flatten(layer)[1] is aux and hash(aux) == hash(tuple(aux))
+    assert jax.tree_util.tree_structure(layer) == treedef
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert _base.flatten(rebuilt)[1] is aux
+    changed = layer.with_dtype_policy("bfloat16")
+    assert _base.flatten(changed)[1] != aux
+    assert jax.tree_util.tree_structure(changed) != treedef
+    assert changed.dtype_policy.name == "bfloat16" and layer.dtype_policy.name == "float32"

@@ -14,7 +14,7 @@ from autopolicy.policies import DTypePolicy
 
 __all__ = ["ModuleBase", "is_module", "is_array", "is_dynamic", "map_children"]
 
-BOOKKEEPING = ("_frozen", "_child_names")
+BOOKKEEPING = ("_frozen", "_child_names", "_aux")
 
 
 class ModuleBase:
@@ -86,17 +86,39 @@ def freeze_tree(module: Any) -> None:
 # --- pytree registration (one generic flatten for every subclass) -----------------------------
 
 
+class _Aux(tuple):
+    """A module's pytree aux data, ``(child names, static attributes)``, hashed once: jit hashes
+    and compares the aux data of every module at every call (a decoder has hundreds)."""
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("hash")
+        if cached is None:
+            cached = self.__dict__["hash"] = tuple.__hash__(self)
+        return cached
+
+
+def _aux(module: Any) -> _Aux:
+    """The module's aux data, kept on a frozen module (immutable: it cannot go stale; _copy and
+    _freeze drop it), so every flatten after the first returns the same object."""
+    d = module.__dict__
+    aux = d.get("_aux")
+    if aux is None:
+        names = module._child_names
+        aux = _Aux((names, tuple((k, v) for k, v in module._attrs() if k not in names)))
+        if d.get("_frozen", False):
+            d["_aux"] = aux
+    return aux
+
+
 def flatten_with_keys(module: Any):
     names = module._child_names
     children = tuple((jax.tree_util.GetAttrKey(n), module.__dict__[n]) for n in names)
-    static = tuple((k, v) for k, v in module._attrs() if k not in names)
-    return children, (names, static)
+    return children, _aux(module)
 
 
 def flatten(module: Any):
-    names = module._child_names
-    static = tuple((k, v) for k, v in module._attrs() if k not in names)
-    return tuple(module.__dict__[n] for n in names), (names, static)
+    d = module.__dict__
+    return tuple(d[n] for n in module._child_names), _aux(module)
 
 
 def unflatten_for(cls: type) -> Callable:
@@ -108,6 +130,8 @@ def unflatten_for(cls: type) -> Callable:
         d.update(zip(names, children))
         d["_child_names"] = names
         d["_frozen"] = True
+        if isinstance(aux, _Aux):
+            d["_aux"] = aux
         return obj
 
     return unflatten

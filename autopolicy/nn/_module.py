@@ -154,6 +154,7 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
                     "configuration and must be hashable (use a tuple, not a list or dict)."
                 ) from None
         object.__setattr__(self, "_child_names", tuple(child_names))
+        self.__dict__.pop("_aux", None)
         object.__setattr__(self, "_frozen", True)
 
     def _copy(self, mutable: bool = False, **changes: Any) -> "Module":
@@ -161,6 +162,7 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
         new.__dict__.update(self.__dict__)
         new.__dict__.update(changes)
         new.__dict__["_frozen"] = False
+        new.__dict__.pop("_aux", None)  # the copy's attributes may change: its aux data is its own
         if not mutable:
             new._freeze()
         return new

@@ -8,6 +8,7 @@ max_length)``, as :class:`~autopolicy.nn.LlamaDecoder`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -23,10 +24,14 @@ def prefill(model: Any, cache: Any, ids: jax.Array) -> tuple[jax.Array, Any]:
     return model(ids, start=jnp.zeros((), jnp.int32), cache=cache)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnames=("cache",))
 def decode_step(model: Any, cache: Any, token: jax.Array, position: jax.Array) -> tuple[jax.Array, Any]:
     """``(next token's logits (batch, vocab), cache)`` for ``token`` (``(batch,)``) at ``position``
-    (an int32 scalar): compiled once per model structure and cache length."""
+    (an int32 scalar): compiled once per model structure and cache length.
+
+    The cache passed in is donated (its buffers are updated in place, where a kept input would
+    cost a copy of the whole cache at every step): pass each step the cache the last one returned.
+    """
     logits, cache = model(token[:, None], start=position, cache=cache)
     return logits[:, 0], cache
 

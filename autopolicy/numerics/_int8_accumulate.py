@@ -207,6 +207,28 @@ def _ffi_accumulate(equation, x_q, kernel_q, kernel_colsum):
     return back(cpu_kernels.int8_matmul(x2, k2))
 
 
+def ffi_dense(equation: str, x: jax.Array, kernel_q: jax.Array, kernel_scale: jax.Array,
+              compute_dtype: Any) -> jax.Array | None:
+    """The whole int8 einsum (quantize ``x``, multiply, rescale) as one call of the CPU kernels'
+    fused :func:`~autopolicy.numerics.cpu_kernels.int8_dense`, equal bit for bit to the XLA
+    quantization and rescale around the ``"cpu_ffi"`` accumulators; None where it does not apply
+    (an input or compute dtype other than float32 and bfloat16: the caller takes the unfused path).
+
+    Raises:
+      ValueError: as :func:`int8_accumulate` with ``kernel="cpu_ffi"`` (not built, not one product).
+    """
+    _resolve_einsum_kernel("cpu_ffi", equation)
+    dtypes = cpu_kernels.DENSE_DTYPES
+    if jnp.dtype(x.dtype).name not in dtypes or jnp.dtype(compute_dtype).name not in dtypes:
+        return None
+    lhs, rhs, out = _einsum_spec(equation)
+    _, summed, free_k = _matmul_plan(equation)
+    x2, k2, back = _as_matmul(equation, x, kernel_q)
+    # The scale keeps the kernel's layout (contracted axes of size 1): its columns in k2's order.
+    w_scale = jnp.transpose(kernel_scale.astype(jnp.float32), [rhs.index(c) for c in summed + free_k])
+    return back(cpu_kernels.int8_dense(x2, k2, w_scale.reshape((k2.shape[1],)), out_dtype=compute_dtype))
+
+
 _ACCUMULATE = {"s8s8": _s8s8_accumulate, "u8s8": _u8s8_accumulate, "cpu_ffi": _ffi_accumulate}
 
 

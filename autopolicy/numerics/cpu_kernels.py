@@ -3,10 +3,14 @@ against the package's int8 and packed int4 weights, where XLA's own are slower t
 
 The C++ (``autopolicy/numerics/cpu/``) is built by ``pip install -e .`` into one shared library
 beside it; its instruction-set path (AVX2, or the portable reference) is chosen when it loads,
-from the CPU's features, never at build time. The kernels compute the int32 accumulators only:
-the input quantization before and the rescale after are the package's XLA code, shared by every
-kernel, so the outputs equal the XLA kernels' bit for bit. Work is split over XLA's own intra-op
-thread pool (the FFI's ``ThreadPool`` context), so no thread of ours outlives a call.
+from the CPU's features, never at build time. :func:`int8_matmul` and :func:`int4_matmul` take
+int8 inputs quantized by the caller; :func:`int8_dense` and :func:`int4_dense` (what the layers
+call) take the float input and do the whole layer in one call: the per-row quantization, the
+integer product, the rescale and an optional bias, each in the same float32 operations as the
+package's XLA path, so the outputs equal it bit for bit. At batch 1 on small layers the separate
+XLA ops around the call cost as much as the product. Work is split over XLA's own intra-op
+thread pool (the FFI's ``ThreadPool`` context), so no thread of ours outlives a call; calls whose
+weights are below :func:`serial_max_bytes` run on the calling thread alone.
 
 Without the library (no compiler at install, or ``AUTOPOLICY_DISABLE_CPU_KERNELS=1``) nothing
 fails: :data:`AVAILABLE` is False, :func:`unavailable_reason` says why, and the search times the
@@ -29,13 +33,18 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
-           "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "int8_matmul", "int4_matmul", "notice_once"]
+           "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "serial_max_bytes",
+           "set_serial_max_bytes", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "DENSE_DTYPES",
+           "notice_once"]
 
 #: Set to 1 to leave the kernels out (as on a machine without a compiler).
 DISABLE_ENV = "AUTOPOLICY_DISABLE_CPU_KERNELS"
 #: The instruction-set paths, best first.
 PATHS = ("avx2", "portable")
 _INT8_TARGET, _INT4_TARGET = "autopolicy_int8_matmul", "autopolicy_int4_matmul"
+_INT8_DENSE, _INT4_DENSE = "autopolicy_int8_dense", "autopolicy_int4_dense"
+#: The float dtypes :func:`int8_dense` and :func:`int4_dense` take and return.
+DENSE_DTYPES = ("float32", "bfloat16")
 _log = logging.getLogger("autopolicy")
 
 
@@ -56,13 +65,16 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
                       "reinstall with `pip install -e . -v` to see why)")
     try:
         lib = ctypes.CDLL(file)
-        for target, symbol in ((_INT8_TARGET, lib.AutopolicyInt8Matmul), (_INT4_TARGET, lib.AutopolicyInt4Matmul)):
+        for target, symbol in ((_INT8_TARGET, lib.AutopolicyInt8Matmul), (_INT4_TARGET, lib.AutopolicyInt4Matmul),
+                               (_INT8_DENSE, lib.AutopolicyInt8Dense), (_INT4_DENSE, lib.AutopolicyInt4Dense)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         lib.autopolicy_cpu_path.restype = ctypes.c_char_p
         lib.autopolicy_cpu_set_path.argtypes = lib.autopolicy_cpu_path_supported.argtypes = [ctypes.c_char_p]
         lib.autopolicy_cpu_gemm_min_rows.restype = ctypes.c_int64
         lib.autopolicy_cpu_gemm_min_rows.argtypes = [ctypes.c_int]
         lib.autopolicy_cpu_set_gemm_min_rows.argtypes = [ctypes.c_int64]
+        lib.autopolicy_cpu_serial_max_bytes.restype = ctypes.c_int64
+        lib.autopolicy_cpu_set_serial_max_bytes.argtypes = [ctypes.c_int64]
     except (OSError, AttributeError) as e:
         return None, f"{os.path.basename(file)} failed to load: {e}"
     return lib, None
@@ -133,6 +145,26 @@ def set_gemm_min_rows(rows: int | None) -> None:
     _lib().autopolicy_cpu_set_gemm_min_rows(0 if rows is None else max(1, int(rows)))
 
 
+def serial_max_bytes() -> int:
+    """The work below which a call runs on the calling thread alone: weight bytes (int4: packed)
+    times rows of x. Above it the columns (or K slabs, or tiles) are split over XLA's thread pool;
+    below it, waking a pool thread and waiting for it costs more than the share it would take."""
+    return int(_lib().autopolicy_cpu_serial_max_bytes())
+
+
+def set_serial_max_bytes(nbytes: int | None) -> None:
+    """Sets :func:`serial_max_bytes` (tests and benchmarks; ``AUTOPOLICY_CPU_SERIAL_BYTES`` sets
+    it at load); 0 splits every call that can be split, None restores the measured default.
+    Takes effect at once, compiled programs included.
+
+    Raises:
+      ValueError: for a negative ``nbytes``.
+    """
+    if nbytes is not None and int(nbytes) < 0:
+        raise ValueError(f"nbytes must be >= 0 (or None for the default). Received: nbytes={nbytes!r}")
+    _lib().autopolicy_cpu_set_serial_max_bytes(-1 if nbytes is None else int(nbytes))
+
+
 def _check(x: jax.Array, w: jax.Array, w_dtype: str, what: str) -> None:
     if x.ndim != 2 or x.dtype != jnp.int8:
         raise ValueError(f"{what}: x must be a 2-D int8 array. Received: {x.dtype}{list(x.shape)}")
@@ -179,3 +211,75 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, block: int) -
     _lib()
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(_INT4_TARGET, out)(x, packed, scale, block=int(block))
+
+
+def _dense_operands(what: str, x: jax.Array, n: int, bias: jax.Array | None, out_dtype) -> tuple:
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if x.ndim != 2 or x.dtype.name not in DENSE_DTYPES:
+        raise ValueError(f"{what}: x must be a 2-D array of one of {DENSE_DTYPES}. Received: {x.dtype}{list(x.shape)}")
+    if out_dtype.name not in DENSE_DTYPES:
+        raise ValueError(f"{what}: out_dtype must be one of {DENSE_DTYPES}. Received: out_dtype={out_dtype.name!r}")
+    if bias is None:
+        bias = jnp.zeros((0,), out_dtype)
+    elif bias.shape != (n,) or bias.dtype != out_dtype:
+        raise ValueError(f"{what}: the bias must be ({n},) {out_dtype.name} (the output's dtype). Received: "
+                         f"{bias.dtype}{list(bias.shape)}")
+    return bias, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype)
+
+
+def int8_dense(x: jax.Array, w: jax.Array, w_scale: jax.Array, bias: jax.Array | None = None,
+               out_dtype=None) -> jax.Array:
+    """The int8 layer in one call: ``x: (M, K)`` (float32 or bfloat16) quantized per row as
+    :func:`autopolicy.numerics.int8.quantize_symmetric` does, times the int8 kernel ``w: (K, N)``
+    in int32, rescaled ``float(acc) * (x_scale * w_scale)`` with ``w_scale: (N,)`` (or ``(1, N)``)
+    float32, rounded to ``out_dtype`` (default: x's), plus ``bias: (N,)`` in ``out_dtype`` if given.
+    Equal bit for bit to the package's XLA path (:func:`autopolicy.numerics.int8.int8_dense`
+    followed by ``+ bias``).
+
+    Raises:
+      ValueError: for operands of other ranks, dtypes or shapes.
+
+    >>> import numpy as np
+    >>> if AVAILABLE:  # x = [1, -2] quantizes to [64, -127] (scale 2/127); the kernel's scale 0.5
+    ...     y = int8_dense(jnp.array([[1.0, -2.0]]), jnp.array([[2], [127]], jnp.int8), jnp.array([0.5]))
+    ...     assert np.isclose(float(y[0, 0]), (64 * 2 - 127 * 127) * (2 / 127) * 0.5)
+    """
+    if w.ndim != 2 or w.dtype != jnp.int8 or x.ndim != 2 or w.shape[0] != x.shape[1]:
+        raise ValueError(f"int8_dense: x must be (M, K) and the kernel (K, N) int8. Received: x {list(x.shape)}, "
+                         f"kernel {w.dtype}{list(w.shape)}")
+    n = w.shape[1]
+    if w_scale.size != n or w_scale.dtype != jnp.float32:
+        raise ValueError(f"int8_dense: the kernel scale must be float32 with {n} values. Received: "
+                         f"{w_scale.dtype}{list(w_scale.shape)}")
+    bias, out = _dense_operands("int8_dense", x, n, bias, out_dtype)
+    _lib()
+    return jax.ffi.ffi_call(_INT8_DENSE, out)(x, w, w_scale.reshape((n,)), bias)
+
+
+def int4_dense(x: jax.Array, packed: jax.Array, scale: jax.Array, block: int, bias: jax.Array | None = None,
+               out_dtype=None) -> jax.Array:
+    """The int4 layer in one call: ``x: (M, K)`` (float32 or bfloat16) quantized per row, times the
+    packed int4 kernel (as :func:`int4_matmul`), ``y = sum_g float(acc_g) * scale[g]`` times x's
+    row scale, rounded to ``out_dtype`` (default: x's), plus ``bias: (N,)`` in ``out_dtype`` if
+    given. Equal to :func:`autopolicy.numerics.int4.int4_matmul` with ``kernel="cpu_ffi"`` bit for
+    bit (to float32 rounding of the sum over blocks against ``kernel="xla"``).
+
+    Raises:
+      ValueError: for operands of other ranks, dtypes or shapes, or a block outside ``[1, K]``.
+    """
+    if x.ndim != 2 or packed.ndim != 2 or packed.dtype != jnp.uint8:
+        raise ValueError(f"int4_dense: x must be (M, K) and the packed kernel (ceil(K/2), N) uint8. Received: "
+                         f"x {list(x.shape)}, kernel {packed.dtype}{list(packed.shape)}")
+    k, n = x.shape[1], packed.shape[1]
+    if packed.shape[0] != (k + 1) // 2:
+        raise ValueError(f"int4_dense: x is (M, {k}), so the packed kernel needs {(k + 1) // 2} rows; "
+                         f"it has {packed.shape[0]}.")
+    if not 1 <= block <= k:
+        raise ValueError(f"int4_dense: block must be in [1, {k}]. Received: block={block}")
+    groups = -(-k // block)
+    if tuple(scale.shape) != (groups, n) or scale.dtype != jnp.float32:
+        raise ValueError(f"int4_dense: the scale must be float32 ({groups}, {n}). Received: "
+                         f"{scale.dtype}{list(scale.shape)}")
+    bias, out = _dense_operands("int4_dense", x, n, bias, out_dtype)
+    _lib()
+    return jax.ffi.ffi_call(_INT4_DENSE, out)(x, packed, scale, bias, block=int(block))

@@ -226,6 +226,12 @@ int4_matmul = jax.jit(_int4_matmul, static_argnums=(4, 5, 6))
 
 def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel="xla"):
     rows, k = x.shape
+    dtypes = cpu_kernels.DENSE_DTYPES
+    if kernel == "cpu_ffi" and jnp.dtype(x.dtype).name in dtypes and jnp.dtype(compute_dtype).name in dtypes:
+        # One call quantizes x, multiplies and rescales: the values of the unfused path below.
+        block = k if block_size == PER_CHANNEL else block_size
+        y = cpu_kernels.int4_dense(x, packed, scale.astype(jnp.float32), block, out_dtype=compute_dtype)
+        return y, (x, packed, scale, colsum)
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
     x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)

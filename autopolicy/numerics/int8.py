@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.numerics import _sharding
+from autopolicy.numerics import _int8_accumulate, _sharding
 from autopolicy.numerics._int8_accumulate import (  # noqa: F401  (re-exported)
     INT8_KERNELS,
     INT8_OP_KERNELS,
@@ -144,6 +144,11 @@ def int8_einsum(
 
 
 def _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype, kernel_colsum=None, kernel=None):
+    residuals = (x, kernel_q, kernel_scale, kernel_colsum)
+    if kernel == "cpu_ffi":  # the quantization and rescale inside the kernel's call: the same values
+        y = _int8_accumulate.ffi_dense(equation, x, kernel_q, kernel_scale, compute_dtype)
+        if y is not None:
+            return y, residuals
     x_axes, _ = contracted_axes(equation)
     x_q, x_scale = quantize_symmetric(x, x_axes)
     acc = int8_accumulate(equation, x_q, kernel_q, kernel, kernel_colsum)

@@ -50,6 +50,13 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 constexpr int64_t kInt4GemmMinRows = kNever;
 int64_t g_gemm_min_rows[2] = {-1, -1};  // int8, int4; -1: not read yet
 
+// experiments/bench_cpu_serial.py on the shared 2-core AVX2 EPYC (loads 5 and 10; it was never
+// quiet): serial faster than split at batch 1 for every SmolLM2 block layer (up to 1536 x 576
+// int8, 864 KiB: 0.74-0.82x the split's time), mixed from 2 MiB (0.78-1.40x); above 1 MiB the
+// second core's bandwidth is left to pay on a quiet machine.
+constexpr int64_t kSerialMaxBytes = 1024 * 1024;
+int64_t g_serial_max_bytes = -2;  // -2: not read yet
+
 }  // namespace
 
 const Path& current_path() {
@@ -76,6 +83,16 @@ void set_gemm_min_rows(int64_t rows) {
   g_gemm_min_rows[0] = rows < 1 ? kInt8GemmMinRows : rows;
   g_gemm_min_rows[1] = rows < 1 ? kInt4GemmMinRows : rows;
 }
+
+int64_t serial_max_bytes() {
+  if (g_serial_max_bytes == -2) {
+    const char* forced = std::getenv("AUTOPOLICY_CPU_SERIAL_BYTES");
+    set_serial_max_bytes(forced != nullptr && *forced != '\0' ? std::atoll(forced) : -1);
+  }
+  return g_serial_max_bytes;
+}
+
+void set_serial_max_bytes(int64_t bytes) { g_serial_max_bytes = bytes < 0 ? kSerialMaxBytes : bytes; }
 
 bool path_supported(const char* name) { return by_name(name) != nullptr && cpu_has(name); }
 

@@ -1,6 +1,9 @@
 // The XLA FFI binding: checks shapes and dtypes (naming the bad one), splits the output columns
-// over XLA's own intra-op thread pool (the caller takes its share too), and runs the current
-// path's kernel. No state across calls.
+// over XLA's own intra-op thread pool (the caller takes its share too; calls too small to pay
+// for a pool thread run on the caller alone), and runs the current path's kernel. The dense
+// targets take the float input and return the float output: the row quantization before and
+// the rescale (and bias) after run here too (quantize.cc), not as XLA ops around the call. No
+// state across calls.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -21,14 +24,28 @@ constexpr int64_t kColumnsPerTask = 64;
 // The int8 product of few rows (at most kSlabMaxRows) splits K into up to kSlabs slabs of at
 // least kSlabRows rows.
 constexpr int64_t kSlabs = 8, kSlabRows = 256, kSlabMaxRows = 4;
+// Rescaled outputs (rows x columns) up to this many run on the calling thread alone.
+constexpr int64_t kSerialEpilogue = 1 << 16;
+
+// Where a call's tasks run: on XLA's pool and the calling thread, or (serial) on the calling
+// thread alone, for work too small to pay for waking a pool thread.
+struct Runner {
+  ffi::ThreadPool* pool;
+  bool serial;
+  int64_t threads() const { return serial ? 1 : std::max<int64_t>(1, pool->num_threads()); }
+};
+
+Runner runner_for(ffi::ThreadPool& pool, int64_t work_bytes) {
+  return Runner{&pool, work_bytes <= serial_max_bytes()};
+}
 
 // Runs body(t) for t in [0, tasks), on the pool and the calling thread. The caller never waits
 // for a task that has not started: tasks are claimed from a counter, and the caller waits only
 // for claimed tasks to finish.
 template <typename Body>
-void parallel_tasks(ffi::ThreadPool& pool, int64_t tasks, Body body) {
-  if (tasks <= 1) {
-    if (tasks == 1) body(0);
+void parallel_tasks(const Runner& run_on, int64_t tasks, Body body) {
+  if (tasks <= 1 || run_on.serial) {
+    for (int64_t t = 0; t < tasks; ++t) body(t);
     return;
   }
   struct State {
@@ -42,17 +59,16 @@ void parallel_tasks(ffi::ThreadPool& pool, int64_t tasks, Body body) {
       state->done.fetch_add(1);
     }
   };
-  const int64_t helpers = std::min<int64_t>(tasks, std::max<int64_t>(1, pool.num_threads())) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([run]() { run(); });
+  const int64_t helpers = std::min<int64_t>(tasks, run_on.threads()) - 1;
+  for (int64_t t = 0; t < helpers; ++t) run_on.pool->Schedule([run]() { run(); });
   run();
   while (state->done.load() < tasks) std::this_thread::yield();
 }
 
 // Runs body(n0, n1) over [0, n) in one chunk per thread.
 template <typename Body>
-void parallel_columns(ffi::ThreadPool& pool, int64_t n, int64_t min_chunk, Body body) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t chunks = std::min<int64_t>(threads, std::max<int64_t>(1, n / min_chunk));
+void parallel_columns(const Runner& run_on, int64_t n, int64_t min_chunk, Body body) {
+  int64_t chunks = std::min<int64_t>(run_on.threads(), std::max<int64_t>(1, n / min_chunk));
   if (chunks <= 1) {
     body(0, n);
     return;
@@ -60,17 +76,16 @@ void parallel_columns(ffi::ThreadPool& pool, int64_t n, int64_t min_chunk, Body 
   int64_t step = (n + chunks - 1) / chunks;
   step = (step + 31) / 32 * 32;  // whole SIMD chunks (32 columns: the int4 kernel's)
   chunks = (n + step - 1) / step;
-  parallel_tasks(pool, chunks, [=](int64_t c) { body(c * step, std::min(n, (c + 1) * step)); });
+  parallel_tasks(run_on, chunks, [=](int64_t c) { body(c * step, std::min(n, (c + 1) * step)); });
 }
 
 // The GEMM's tasks: blocks of at most kGemmCols columns (whole strips) times blocks of rows (whole
 // panels), at least two per thread where the shape allows (the machine is shared: a thread that
 // runs late then delays the call by less than its whole share). body(r0, r1, n0, n1).
 template <typename Body>
-void parallel_tiles(ffi::ThreadPool& pool, int64_t m, int64_t n, Body body) {
+void parallel_tiles(const Runner& run_on, int64_t m, int64_t n, Body body) {
   if (m <= 0 || n <= 0) return;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t want = 2 * threads;
+  const int64_t want = 2 * run_on.threads();
   int64_t strips = (n + kGemmStrip - 1) / kGemmStrip;
   int64_t col_tasks = (n + kGemmCols - 1) / kGemmCols;
   if (col_tasks < want) col_tasks = std::min(strips, want);
@@ -81,37 +96,36 @@ void parallel_tiles(ffi::ThreadPool& pool, int64_t m, int64_t n, Body body) {
   row_tasks = std::max(row_tasks, (panels + 47) / 48);  // at most 192 rows a task: x's chunk stays in L2
   const int64_t row_step = (panels + row_tasks - 1) / row_tasks * kGemmRows;
   row_tasks = (m + row_step - 1) / row_step;
-  parallel_tasks(pool, row_tasks * col_tasks, [=](int64_t t) {
+  parallel_tasks(run_on, row_tasks * col_tasks, [=](int64_t t) {
     const int64_t r = t / col_tasks, c = t % col_tasks;
     body(r * row_step, std::min(m, (r + 1) * row_step), c * col_step, std::min(n, (c + 1) * col_step));
   });
 }
 
 ffi::Error bad(const std::string& what) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, what); }
+std::string dims_of(ffi::Span<const int64_t> d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + (d.size() == 1 ? ",)" : ")");
+}
 
-ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
-                    ffi::ResultBuffer<ffi::S32> acc) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2) return bad("autopolicy int8 matmul: x must be (M, K); its rank is " + std::to_string(xd.size()));
-  if (wd.size() != 2 || wd[0] != xd[1])
-    return bad("autopolicy int8 matmul: the kernel must be (K, N) with K = " + std::to_string(xd[1]));
-  const int64_t m = xd[0], k = xd[1], n = wd[1];
+// acc = xq @ w in int32 for int8 xq (m, k) and w (k, n).
+void int8_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k, const int8_t* wp, int64_t n,
+                  int32_t* out) {
   const Path& path = current_path();
-  const int8_t* xp = x.typed_data();
-  const int8_t* wp = w.typed_data();
-  int32_t* out = acc->typed_data();
+  const Runner run_on = runner_for(pool, m * k * n);
   if (path.int8_gemm != nullptr && m >= gemm_min_rows(false) && k > 0) {
     std::vector<int32_t> xq(static_cast<size_t>((m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2)));
     pack_x_pairs(xp, m, k, xq.data());
     const int32_t* a = xq.data();
     Int8GemmFn gemm = path.int8_gemm;
-    parallel_tiles(pool, m, n, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
+    parallel_tiles(run_on, m, n, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, r0, r1, n0, n1, out);
     });
-    return ffi::Error::Success();
+    return;
   }
   const int64_t slabs = std::min<int64_t>(kSlabs, k / kSlabRows);
-  if (m <= kSlabMaxRows && slabs > 1 && n >= 16) {
+  if (!run_on.serial && m <= kSlabMaxRows && slabs > 1 && n >= 16) {
     // Few rows: slabs of K rows, each a contiguous stretch of the weights (one stream the
     // prefetchers follow, where a column split reads pieces of every row), claimed by the
     // threads as they come free; each slab's int32 sums are added at the end (exact).
@@ -126,7 +140,7 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ff
       }
     int32_t* parts = partial.data();
     const int8_t* xsp = xs.data();
-    parallel_tasks(pool, count, [=](int64_t s) {
+    parallel_tasks(run_on, count, [=, &path](int64_t s) {
       const int64_t k0 = s * step, k1 = std::min(k, k0 + step);
       const int8_t* xsub = xsp + s * m * step;
       int32_t* dst = s == 0 ? out : parts + (s - 1) * m * n;
@@ -142,43 +156,150 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ff
       const int32_t* src = parts + (s - 1) * m * n;
       for (int64_t i = 0; i < m * n; ++i) out[i] += src[i];
     }
-    return ffi::Error::Success();
+    return;
   }
-  parallel_columns(pool, n, kColumnsPerTask, [=](int64_t n0, int64_t n1) { path.int8(xp, m, k, wp, n, n0, n1, out); });
-  return ffi::Error::Success();
+  parallel_columns(run_on, n, kColumnsPerTask, [=, &path](int64_t n0, int64_t n1) { path.int8(xp, m, k, wp, n, n0, n1, out); });
 }
 
-ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
-                    int64_t block, ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2) return bad("autopolicy int4 matmul: x must be (M, K); its rank is " + std::to_string(xd.size()));
-  const int64_t m = xd[0], k = xd[1];
-  if (wd.size() != 2 || wd[0] != (k + 1) / 2)
-    return bad("autopolicy int4 matmul: the packed kernel must be (ceil(K/2), N) with K = " + std::to_string(k));
-  if (block <= 0 || block > k) return bad("autopolicy int4 matmul: block must be in [1, K]; got " + std::to_string(block));
-  const int64_t n = wd[1];
+// y = sum over blocks of float(xq @ w_block) * scale_block, float32, for int8 xq (m, k) and the
+// packed int4 w (ceil(k / 2), n), scale (ceil(k / block), n).
+void int4_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
+                  int64_t block, const float* sp, float* yp) {
   const int64_t groups = (k + block - 1) / block;
-  if (sd.size() != 2 || sd[0] != groups || sd[1] != n)
-    return bad("autopolicy int4 matmul: the scale must be (G, N) = (" + std::to_string(groups) + ", " + std::to_string(n) + ")");
   // SIMD paths take rows in pairs (2j, 2j + 1): a pair must not straddle a block.
   const bool pairs_ok = groups == 1 || block % 2 == 0;
   const Path& path = current_path();
+  const Runner run_on = runner_for(pool, m * ((k + 1) / 2) * n);
   Int4Fn fn = pairs_ok ? path.int4 : int4_portable;
-  const int8_t* xp = x.typed_data();
-  const uint8_t* wp = w.typed_data();
-  const float* sp = scale.typed_data();
-  float* yp = out->typed_data();
   if (pairs_ok && path.int4_gemm != nullptr && m >= gemm_min_rows(true)) {
     std::vector<int32_t> xq(static_cast<size_t>((m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2)));
     pack_x_pairs(xp, m, k, xq.data());
     const int32_t* a = xq.data();
     Int4GemmFn gemm = path.int4_gemm;
-    parallel_tiles(pool, m, n, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
+    parallel_tiles(run_on, m, n, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, block, sp, r0, r1, n0, n1, yp);
     });
-    return ffi::Error::Success();
+    return;
   }
-  parallel_columns(pool, n, kColumnsPerTask, [=](int64_t n0, int64_t n1) { fn(xp, m, k, wp, n, block, sp, n0, n1, yp); });
+  parallel_columns(run_on, n, kColumnsPerTask, [=](int64_t n0, int64_t n1) { fn(xp, m, k, wp, n, block, sp, n0, n1, yp); });
+}
+
+ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                    ffi::ResultBuffer<ffi::S32> acc) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2) return bad("autopolicy int8 matmul: x must be (M, K); its rank is " + std::to_string(xd.size()));
+  if (wd.size() != 2 || wd[0] != xd[1])
+    return bad("autopolicy int8 matmul: the kernel must be (K, N) with K = " + std::to_string(xd[1]));
+  int8_product(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], acc->typed_data());
+  return ffi::Error::Success();
+}
+
+// The packed int4 kernel's and its scale's shapes for x (m, k) and a block of `block` rows.
+ffi::Error check_int4(const char* what, int64_t k, ffi::Span<const int64_t> wd, ffi::Span<const int64_t> sd,
+                      int64_t block) {
+  if (wd.size() != 2 || wd[0] != (k + 1) / 2)
+    return bad(std::string(what) + ": the packed kernel must be (ceil(K/2), N) with K = " + std::to_string(k) +
+               "; it is " + dims_of(wd));
+  if (block <= 0 || block > k)
+    return bad(std::string(what) + ": block must be in [1, K] = [1, " + std::to_string(k) + "]; got " + std::to_string(block));
+  const int64_t groups = (k + block - 1) / block;
+  if (sd.size() != 2 || sd[0] != groups || sd[1] != wd[1])
+    return bad(std::string(what) + ": the scale must be (G, N) = (" + std::to_string(groups) + ", " +
+               std::to_string(wd[1]) + "); it is " + dims_of(sd));
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
+                    int64_t block, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return bad("autopolicy int4 matmul: x must be (M, K); its rank is " + std::to_string(xd.size()));
+  const int64_t m = xd[0], k = xd[1];
+  if (ffi::Error e = check_int4("autopolicy int4 matmul", k, w.dimensions(), scale.dimensions(), block); e.failure())
+    return e;
+  int4_product(pool, x.typed_data(), m, k, w.typed_data(), w.dimensions()[1], block, scale.typed_data(),
+               out->typed_data());
+  return ffi::Error::Success();
+}
+
+// --- the fused dense calls: float x quantized per row, the integer product, the rescale (+ bias)
+
+bool is_float(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+// Checks the float operands of a fused call: x (M, K), out (M, N), bias (N,) in out's dtype or
+// empty; float32 or bfloat16 each.
+ffi::Error check_floats(const char* what, const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias,
+                        ffi::Result<ffi::AnyBuffer>& out, int64_t n) {
+  auto xd = x.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || !is_float(x.element_type()))
+    return bad(std::string(what) + ": x must be a (M, K) float32 or bfloat16 array; it is " + dims_of(xd));
+  if (od.size() != 2 || od[0] != xd[0] || od[1] != n || !is_float(out->element_type()))
+    return bad(std::string(what) + ": the output must be float32 or bfloat16 (" + std::to_string(xd[0]) + ", " +
+               std::to_string(n) + "); it is " + dims_of(od));
+  const int64_t nb = static_cast<int64_t>(bias.element_count());
+  if (nb != 0 && (nb != n || bias.element_type() != out->element_type()))
+    return bad(std::string(what) + ": the bias must be empty or (N,) = (" + std::to_string(n) +
+               ",) in the output's dtype; it is " + dims_of(bias.dimensions()));
+  return ffi::Error::Success();
+}
+
+// Rows of x quantized: int8 values and one scale per row.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+};
+
+QuantizedRows quantize(const ffi::AnyBuffer& x) {
+  auto xd = x.dimensions();
+  QuantizedRows rows{std::vector<int8_t>(static_cast<size_t>(xd[0] * xd[1])), std::vector<float>(static_cast<size_t>(xd[0]))};
+  quantize_rows(x.untyped_data(), x.element_type() == ffi::DataType::BF16, xd[0], xd[1], rows.q.data(), rows.scale.data());
+  return rows;
+}
+
+ffi::Error Int8DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
+                         ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* what = "autopolicy int8 dense";
+  auto wd = w.dimensions();
+  if (x.dimensions().size() != 2 || wd.size() != 2 || wd[0] != x.dimensions()[1])
+    return bad(std::string(what) + ": x must be (M, K) and the kernel (K, N); they are " + dims_of(x.dimensions()) +
+               " and " + dims_of(wd));
+  const int64_t m = x.dimensions()[0], k = wd[0], n = wd[1];
+  if (static_cast<int64_t>(w_scale.element_count()) != n)
+    return bad(std::string(what) + ": the kernel scale must have N = " + std::to_string(n) + " values; it is " +
+               dims_of(w_scale.dimensions()));
+  if (ffi::Error e = check_floats(what, x, bias, out, n); e.failure()) return e;
+  const QuantizedRows xq = quantize(x);
+  const bool bf16 = out->element_type() == ffi::DataType::BF16;
+  // A float32 output holds the int32 sums until the rescale overwrites each in place.
+  std::vector<int32_t> scratch(bf16 ? static_cast<size_t>(m * n) : 0);
+  int32_t* acc = bf16 ? scratch.data() : static_cast<int32_t*>(out->untyped_data());
+  int8_product(pool, xq.q.data(), m, k, w.typed_data(), n, acc);
+  const float* xs = xq.scale.data();
+  const float* ws = w_scale.typed_data();
+  const void* b = bias.element_count() ? bias.untyped_data() : nullptr;
+  void* o = out->untyped_data();
+  parallel_columns(Runner{&pool, m * n <= kSerialEpilogue}, n, kColumnsPerTask,
+                   [=](int64_t n0, int64_t n1) { rescale_int8(acc, m, n, xs, ws, b, bf16, n0, n1, o); });
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
+                         ffi::AnyBuffer bias, int64_t block, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* what = "autopolicy int4 dense";
+  if (x.dimensions().size() != 2)
+    return bad(std::string(what) + ": x must be (M, K); it is " + dims_of(x.dimensions()));
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = w.dimensions().size() == 2 ? w.dimensions()[1] : 0;
+  if (ffi::Error e = check_int4(what, k, w.dimensions(), scale.dimensions(), block); e.failure()) return e;
+  if (ffi::Error e = check_floats(what, x, bias, out, n); e.failure()) return e;
+  const QuantizedRows xq = quantize(x);
+  const bool bf16 = out->element_type() == ffi::DataType::BF16;
+  std::vector<float> scratch(bf16 ? static_cast<size_t>(m * n) : 0);
+  float* y = bf16 ? scratch.data() : static_cast<float*>(out->untyped_data());
+  int4_product(pool, xq.q.data(), m, k, w.typed_data(), n, block, scale.typed_data(), y);
+  const float* xs = xq.scale.data();
+  const void* b = bias.element_count() ? bias.untyped_data() : nullptr;
+  void* o = out->untyped_data();
+  parallel_columns(Runner{&pool, m * n <= kSerialEpilogue}, n, kColumnsPerTask,
+                   [=](int64_t n0, int64_t n1) { rescale_int4(y, m, n, xs, b, bf16, n0, n1, o); });
   return ffi::Error::Success();
 }
 
@@ -201,6 +322,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt4Matmul, autopolicy_cpu::Int4Impl,
                                   .Attr<int64_t>("block")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt8Dense, autopolicy_cpu::Int8DenseImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt4Dense, autopolicy_cpu::Int4DenseImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("block")
+                                  .Ret<ffi::AnyBuffer>());
+
 // For ctypes: the path in use, forcing one (tests), and which the CPU supports.
 extern "C" {
 const char* autopolicy_cpu_path() { return autopolicy_cpu::current_path().name; }
@@ -208,4 +348,6 @@ int autopolicy_cpu_set_path(const char* name) { return autopolicy_cpu::set_path(
 int autopolicy_cpu_path_supported(const char* name) { return autopolicy_cpu::path_supported(name) ? 1 : 0; }
 int64_t autopolicy_cpu_gemm_min_rows(int int4) { return autopolicy_cpu::gemm_min_rows(int4 != 0); }
 void autopolicy_cpu_set_gemm_min_rows(int64_t rows) { autopolicy_cpu::set_gemm_min_rows(rows); }
+int64_t autopolicy_cpu_serial_max_bytes() { return autopolicy_cpu::serial_max_bytes(); }
+void autopolicy_cpu_set_serial_max_bytes(int64_t bytes) { autopolicy_cpu::set_serial_max_bytes(bytes); }
 }

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace autopolicy_cpu {
 
@@ -61,6 +62,41 @@ void int4_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, i
 // AUTOPOLICY_CPU_GEMM_MIN_ROWS does at load.
 int64_t gemm_min_rows(bool int4);
 void set_gemm_min_rows(int64_t rows);
+
+// bfloat16 (stored as its 16 bits) to and from float32; float_to_bf16 rounds to nearest even
+// (NaN stays a quiet NaN), as XLA's convert does.
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline uint16_t float_to_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// The float ends of the fused dense calls (quantize.cc), equal bit for bit to the package's XLA
+// path. quantize_rows: each row of x (m, k), float32 or bfloat16 (bf16), to int8 with its scale
+// (autopolicy.numerics.int8.quantize_symmetric). rescale_int8: columns [n0, n1) of
+// out = float(acc) * (x_scale[row] * w_scale[col]) (+ bias[col] after rounding to the output
+// dtype), out float32 or bfloat16 as bias (null: none); rescale_int4: out = y * x_scale[row]
+// (+ bias). acc / y may be out itself (float32 out; read before written, element by element).
+void quantize_rows(const void* x, bool bf16, int64_t m, int64_t k, int8_t* q, float* scale);
+void rescale_int8(const int32_t* acc, int64_t m, int64_t n, const float* x_scale, const float* w_scale,
+                  const void* bias, bool bf16, int64_t n0, int64_t n1, void* out);
+void rescale_int4(const float* y, int64_t m, int64_t n, const float* x_scale, const void* bias, bool bf16,
+                  int64_t n0, int64_t n1, void* out);
+
+// Calls whose weights are fewer than serial_max_bytes() bytes (times the rows of x) run on the
+// calling thread alone: below it, waking a pool thread and waiting for it costs more than the
+// half of the work it would take (measured: dispatch.cc).
+// set_serial_max_bytes sets it (tests, benchmarks; < 0 restores the default), as
+// AUTOPOLICY_CPU_SERIAL_BYTES does at load.
+int64_t serial_max_bytes();
+void set_serial_max_bytes(int64_t bytes);
 
 // The portable reference path (plain C++).
 void int8_portable(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1,
