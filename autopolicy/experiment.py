@@ -43,6 +43,7 @@ class Experiment:
         (differentiable): ``tune``'s first-order accuracy estimate.
       loss_link: How a change of that loss reads as a change of the metric (``tune``'s
         ``loss_link``: ``"exp"`` for a perplexity, ``"loss"``, ``"fitted"``).
+      loss_inputs: The batches ``loss_fn`` runs on (None: the calibration batches).
     """
 
     name: str
@@ -59,6 +60,7 @@ class Experiment:
     description: str = ""
     loss_fn: Callable[..., Any] | None = None
     loss_link: str = "fitted"
+    loss_inputs: Sequence[Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from autopolicy import nn, policies, search
+from autopolicy.adapters.nn import NNAdapter
 from autopolicy.nn import _context, generation
 from autopolicy.search import first_order
 from autopolicy.search.adapter import OutputGradients, get_adapter, supports_first_order
@@ -246,3 +247,42 @@ def test_output_gradients_is_a_frozen_record(llama):
     assert isinstance(captured, OutputGradients)
     with pytest.raises(AttributeError):
         captured.loss = 0.0
+
+
+@pytest.mark.slow
+def test_tune_with_first_order_solves_from_the_estimate_and_a_rerun_measures_nothing(tmp_path, monkeypatch):
+    """tune with profile_accuracy="first_order" on an MLP whose float32 answers are its labels
+    (so quantizing costs loss): costs from the estimate, no one-layer evaluation, a chosen map
+    within budget; the rerun reads every figure, the first-order terms included, from the
+    run's cache. Whether the fastest map meets the budget depends on this machine's timings, so
+    that first check is made to fail here, and no candidate is skipped as slower than float32:
+    the estimate always runs, on every candidate."""
+    monkeypatch.setattr(search.verify, "fastest_first", lambda *args, **kwargs: ([], False))
+    monkeypatch.setattr(first_order, "dominated", lambda *args: False)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    model = nn.Sequential([nn.Dense(64, activation="tanh", name="hidden"), nn.Dense(64, activation="tanh", name="mid"),
+                           nn.Dense(5, name="out")], name="mlp").build(jax.random.key(3), x)
+    labels = jnp.argmax(model(x), -1).astype(jnp.int32)
+    metric = lambda m: float(jnp.mean(_mlp_loss(m, x, labels)))  # noqa: E731
+    kwargs = dict(candidates=("int8_from_float32", "int4_from_float32"), max_drop=1e-4, relative=False,
+                  higher_is_better=False, loss_inputs=[(x, labels)], profile_accuracy="first_order",
+                  loss_fn=_mlp_loss, loss_link="loss", progress=False, repeats=3, confirm_seconds=1.0,
+                  cache_dir=str(tmp_path))
+    result = search.tune(model, metric, x, **kwargs)
+    assert result.accuracy.method == "first_order"
+    estimated = [(path, name, a) for path, table in result.accuracy.entries.items() for name, a in table.items()
+                 if a.status == search.phases.Status.FIRST_ORDER]
+    assert len(estimated) == 6 and all(a.cost >= 0 and np.isfinite(a.sqnr_db) for _, _, a in estimated)
+    for path in ("mlp/hidden", "mlp/mid", "mlp/out"):
+        table = result.accuracy.entries[path]
+        assert table["int8_from_float32"].sqnr_db > table["int4_from_float32"].sqnr_db + 15
+    assert max(result.accuracy.entries[p]["int4_from_float32"].cost for p in ("mlp/hidden", "mlp/mid")) > 1e-4
+    assert result.evaluations["profile"] == 0
+    assert result.chosen.meets_budget and result.budget.meets(result.chosen.metric)
+    passes = []
+    original = NNAdapter.output_gradients
+    monkeypatch.setattr(NNAdapter, "output_gradients", lambda self, *a: passes.append(1) or original(self, *a))
+    again = search.tune(model, metric, x, **kwargs)
+    assert passes == []  # every first-order term came from the cache
+    assert again.accuracy.entries == result.accuracy.entries

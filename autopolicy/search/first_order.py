@@ -36,7 +36,7 @@ from autopolicy.search._context import Context
 from autopolicy.search._defaults import REFERENCE
 from autopolicy.search._progress import progress as bar
 from autopolicy.search.accuracy import dominated
-from autopolicy.search.adapter import FIRST_ORDER_METHODS, supports_first_order
+from autopolicy.search.adapter import FIRST_ORDER_METHODS, digest_arrays, supports_first_order
 from autopolicy.search.cache import MeasurementCache, key
 from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, LayerAccuracy, Status
 
@@ -137,8 +137,7 @@ def metric_cost(change: float, link: str, baseline: float, scale: float = 1.0) -
     return max(0.0, cost)
 
 
-def _key(ctx: Context, loss_name: str, batch: int, path: str, policy: str) -> str:
-    # ctx.digest covers the weights and the calibration batches (b indexes them).
+def _key(ctx: Context, loss_name: str, batch: str, path: str, policy: str) -> str:
     return key(ctx.fingerprint, "first_order", ctx.digest, loss_name, batch, path, policy)
 
 
@@ -203,10 +202,11 @@ def _fitted_scale(ctx: Context, changes: dict[tuple[str, str], float], observed:
     return drop / total
 
 
-def estimate(ctx: Context, latency: LatencyProfile, loss_fn: Callable, link: str,
+def estimate(ctx: Context, latency: LatencyProfile, loss_fn: Callable, link: str, batches: Sequence[tuple],
              observed: Configuration | None = None) -> AccuracyProfile | None:
     """Every layer's cost under every candidate it could be given, in the metric's units, from
-    the first-order estimate on the calibration batches (cached in the run's cache).
+    the first-order estimate of ``loss_fn`` on ``batches`` (cached in the run's cache, per batch
+    by its contents).
 
     A candidate whose layer output is not finite is disqualified; one slower than float32 by
     more than any cast it could save is skipped (the solver would never choose it). Returns
@@ -214,8 +214,9 @@ def estimate(ctx: Context, latency: LatencyProfile, loss_fn: Callable, link: str
     """
     pairs, entries = _pairs(ctx, latency)
     loss_name = getattr(loss_fn, "__qualname__", repr(loss_fn))
-    keyed = lambda b, path, name: _key(ctx, loss_name, b, path, name)  # noqa: E731
-    records = measure_terms(ctx.adapter, ctx.cache, keyed, loss_fn, ctx.scorer.calibration, pairs, ctx.progress)
+    digests = [digest_arrays(batch) for batch in batches]
+    keyed = lambda b, path, name: _key(ctx, loss_name, digests[b], path, name)  # noqa: E731
+    records = measure_terms(ctx.adapter, ctx.cache, keyed, loss_fn, batches, pairs, ctx.progress)
     terms = {pair: combine(rs) for pair, rs in records.items()}
     changes = {pair: loss_change(t) for pair, t in terms.items() if t["finite"]}
     scale = 1.0

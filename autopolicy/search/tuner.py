@@ -106,6 +106,7 @@ def tune(
     higher_is_better: bool = True,
     loss_fn: Callable[..., Any] | None = None,
     loss_link: str = "fitted",
+    loss_inputs: Iterable[Any] | None = None,
 ) -> TuneResult:
     """Finds the fastest per-layer policies on this machine whose metric stays within budget.
 
@@ -178,6 +179,9 @@ def tune(
         metric is ``exp`` of the mean loss (a perplexity), ``"loss"`` when it is the loss
         itself, ``"fitted"`` otherwise (one scale fitted so that the fastest map's changed layers
         add up to its observed drop).
+      loss_inputs: The batches ``loss_fn`` is differentiated on (each a tuple of its arguments
+        after the model, or one array): labels may be part of them. Default: the calibration
+        batches.
       executor: Any ``concurrent.futures.Executor`` (a ``ProcessPoolExecutor``, Dask's
         ``Client.get_executor()``, :class:`autopolicy.distributed.RayExecutor`) to run the
         one-layer accuracy evaluations on; latency is always measured here, and the chosen map
@@ -227,6 +231,7 @@ def tune(
                              f"Received: profile_accuracy={profile_accuracy!r}")
         first_order.check_arguments(profile_accuracy, loss_fn, loss_link, higher_is_better)
         calibration = _batches(calibration_inputs, args)
+        loss_batches = calibration if loss_inputs is None else _batches(loss_inputs, args)
         made = get_adapter(model, args, calibration, adapter)
         first_order.check_arguments(profile_accuracy, loss_fn, loss_link, higher_is_better, made)
         layer_sites = profiling.sites(made.layers(), candidate_policies)
@@ -276,7 +281,8 @@ def tune(
             gradients = loss_fn is not None and supports_first_order(made)
             if not settled and (profile_accuracy == "first_order" or (profile_accuracy == "auto" and (tried or gradients))):
                 with phase("sensitivity"):
-                    accuracy = (first_order.estimate(ctx, latency, loss_fn, loss_link, tried[0] if tried else None)
+                    accuracy = (first_order.estimate(ctx, latency, loss_fn, loss_link, loss_batches,
+                                                     tried[0] if tried else None)
                                 if gradients else accuracy_phase.estimate_accuracy(ctx, latency, tried[0]))
                 if accuracy is not None:
                     with phase("verify"):
