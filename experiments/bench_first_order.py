@@ -103,8 +103,11 @@ def _cpu() -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--windows", type=int, default=4,
-                        help="calibration windows for the gradient (multiples of 4: batches of 4 after the 16 scored)")
+    parser.add_argument("--windows", type=int, default=16,
+                        help="calibration-split windows for the gradient (a multiple of 4: batches of 4)")
+    parser.add_argument("--start", type=int, default=0,
+                        help="the first of them: 0 for the 16 windows the metric scores (the experiment's "
+                             "loss_inputs), 16 for windows disjoint from them")
     parser.add_argument("--measured", default="runs/bench_first_order/measured.json")
     parser.add_argument("--out", default=None, help="also write the table as Markdown here")
     args = parser.parse_args(argv)
@@ -112,7 +115,7 @@ def main(argv=None) -> None:
     exp = smollm2.build(None)
     model, _, tok = smollm2.load()
     calibration = smollm2.windows(tok, "calibration", None)
-    first = smollm2.WINDOWS
+    first = args.start
     batches = [(calibration[i: i + smollm2.BATCH],) for i in range(first, first + args.windows, smollm2.BATCH)]
     adapter = get_adapter(exp.model, exp.sample_input, batches)
     paths = [layer.path for layer in adapter.layers()]
@@ -157,12 +160,13 @@ def main(argv=None) -> None:
         "",
         f"Machine: {_cpu()}, {os.cpu_count()} cores; load average (1, 5, 15 min) {load_start} before, "
         f"{load_after} after the estimate, {_uptime()} at the end.",
-        f"Command: `PYTHONPATH=$PWD .venv/bin/python experiments/bench_first_order.py --windows {args.windows}`",
+        f"Command: `PYTHONPATH=$PWD .venv/bin/python experiments/bench_first_order.py --windows {args.windows} "
+        f"--start {args.start}`",
         "",
         f"- float32 perplexity (16 calibration-split windows of 128 tokens, the experiment's metric): {baseline:.4f}",
         f"- the estimate for all {len(adapter.layers())} tunable layers x {len(CANDIDATES)} candidates "
         f"({len(pairs_all)} pairs) from {len(batches)} batch(es) of 4 calibration windows (windows "
-        f"{first}..{first + args.windows - 1}, disjoint from the scored ones): {estimate_s:.1f} s "
+        f"{first}..{first + args.windows - 1}; the metric scores windows 0..15): {estimate_s:.1f} s "
         "(one compiled forward and backward pass per batch, then every layer under every candidate on its recorded "
         "inputs; compilation included)",
         f"- measured: {len(pairs)} pairs, each one perplexity evaluation of the model with that layer alone changed "
