@@ -17,7 +17,7 @@ from autopolicy.search.cache import MeasurementCache
 
 INT8, INT4 = policies.get("int8_from_float32"), policies.get("int4_from_float32")
 BF16 = policies.get("mixed_bfloat16")
-LLAMA = nn.LlamaConfig(vocab_size=40, dim=32, blocks=2, heads=4, kv_heads=2, mlp_dim=48, rope_base=100.0)
+LLAMA = nn.LlamaConfig(vocab_size=40, dim=32, blocks=1, heads=4, kv_heads=2, mlp_dim=48, rope_base=100.0)
 
 
 def _spearman(x, y):
@@ -118,14 +118,14 @@ def test_gradient_capture_covers_every_tunable_layer_with_its_output_shape(llama
 
 def test_layer_runner_compiles_once_per_signature_and_matches_the_layer(llama):
     adapter, _, captured = llama
-    (a,), = adapter.layer_outputs("tiny/block_0/mlp/up", INT8, captured)
-    (b,), = adapter.layer_outputs("tiny/block_1/mlp/up", INT8, captured)
+    (a,), = adapter.layer_outputs("tiny/block_0/mlp/gate", INT8, captured)
+    (b,), = adapter.layer_outputs("tiny/block_0/mlp/up", INT8, captured)
     signatures = {layer.path: layer.signature for layer in adapter.layers()}
-    assert signatures["tiny/block_0/mlp/up"] == signatures["tiny/block_1/mlp/up"]
+    assert signatures["tiny/block_0/mlp/gate"] == signatures["tiny/block_0/mlp/up"]  # Dense(48) on one input
     groups = [k for k in adapter._runner._programs if k[:2] == (signatures["tiny/block_0/mlp/up"], INT8.name)]
     assert len(groups) == 1  # two layers, one program
-    layer = adapter.model.layers_by_path()["tiny/block_1/mlp/up"].with_dtype_policy(INT8)
-    (args, kwargs), = captured.inputs["tiny/block_1/mlp/up"]
+    layer = adapter.model.layers_by_path()["tiny/block_0/mlp/up"].with_dtype_policy(INT8)
+    (args, kwargs), = captured.inputs["tiny/block_0/mlp/up"]
     np.testing.assert_allclose(b, layer(*args, **kwargs), rtol=1e-6, atol=1e-6)
     assert float(jnp.max(jnp.abs(a - b))) > 1e-3  # each ran its own weights
 
@@ -157,10 +157,12 @@ def test_tiny_llama_estimate_ranks_layers_like_measured_loss_changes(llama):
         estimated.append(first_order.loss_change(terms, "both"))
         tuned = adapter.with_policies(adapter.complete_map({path: policy}))
         measured.append(float(jnp.mean(generation.token_nll(tuned, ids))) - base)
-    assert len(pairs) == 31  # the embedding has no int4 kernel
-    # An untrained model: the first-order term dominates and ranks the pairs almost exactly.
-    assert _spearman(measured, estimated) > 0.95
-    np.testing.assert_allclose(estimated, measured, rtol=0.3, atol=2e-4)
+    assert len(pairs) == 17  # the embedding has no int4 kernel
+    # An untrained model: the first-order term dominates and ranks the pairs almost exactly;
+    # int8 errors are small enough for the expansion to give the changes themselves.
+    assert _spearman(measured, estimated) > 0.9
+    int8 = [i for i, (_, policy) in enumerate(pairs) if policy == INT8]
+    np.testing.assert_allclose(np.take(estimated, int8), np.take(measured, int8), rtol=0.1, atol=1e-4)
 
 
 class _Counting:
@@ -286,3 +288,22 @@ def test_tune_with_first_order_solves_from_the_estimate_and_a_rerun_measures_not
     again = search.tune(model, metric, x, **kwargs)
     assert passes == []  # every first-order term came from the cache
     assert again.accuracy.entries == result.accuracy.entries
+
+
+def test_experiment_validates_its_loss_fields():
+    from autopolicy.experiment import Experiment
+
+    base = dict(name="x", model=object(), eval_fn=lambda m: 1.0, sample_input=np.ones(2))
+    assert Experiment(**base, loss_fn=_mlp_loss, loss_link="exp").loss_link == "exp"
+    with pytest.raises(ValueError, match=r"loss_link must be one of \['exp', 'loss', 'fitted'\]. Received: "
+                                         r"loss_link='perplexity'"):
+        Experiment(**base, loss_link="perplexity")
+    with pytest.raises(TypeError, match="loss_fn must be a function"):
+        Experiment(**base, loss_fn=3)
+
+
+def test_cli_offers_first_order():
+    from autopolicy import cli
+
+    args = cli.build_parser().parse_args(["tune", "smollm2", "--profile-accuracy", "first_order"])
+    assert args.profile_accuracy == "first_order"
