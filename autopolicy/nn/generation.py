@@ -103,11 +103,9 @@ def token_nll(model: Any, ids: jax.Array) -> jax.Array:
     ``model``: ``(batch, time - 1)`` float32, differentiable (``exp`` of its mean is the
     perplexity).
 
-    >>> from autopolicy import nn
-    >>> config = nn.LlamaConfig(vocab_size=32, dim=16, blocks=1, heads=4, kv_heads=2, mlp_dim=24)
-    >>> model = nn.LlamaDecoder(config).build(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    >>> token_nll(model, jnp.array([[1, 2, 3, 4]])).shape
-    (1, 3)
+    >>> uniform = lambda ids: jnp.zeros(ids.shape + (8,))  # equal logits over 8 tokens: log(8) each
+    >>> token_nll(uniform, jnp.array([[1, 2, 3, 4]])).round(4)
+    Array([[2.0794, 2.0794, 2.0794]], dtype=float32)
     """
     logits = model(ids)[:, :-1].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
