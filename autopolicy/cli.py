@@ -165,9 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--out", default=None, help="run directory (default: runs/EXPERIMENT); reruns resume; "
                                                    "one run at a time (it is locked)")
     tune.add_argument("--repeats", type=_repeats, default=20, help="timing repetitions per layer")
-    tune.add_argument("--profile-accuracy", choices=("auto", "measure", "always"), default="auto",
-                      help="if the fastest assignment breaks the budget, auto: estimate per-layer costs from "
-                           "layer output errors and verify end to end (measure only if that fails); measure: "
+    tune.add_argument("--profile-accuracy", choices=("auto", "first_order", "measure", "always"), default="auto",
+                      help="if the fastest assignment breaks the budget, auto: estimate per-layer costs (first "
+                           "order where the experiment gives a loss_fn, else from layer output errors) and verify "
+                           "end to end (measure only if that fails); first_order: estimate them from the "
+                           "experiment's loss gradient x each layer's output error, verify, never measure; measure: "
                            "measure each layer's cost; always: measure every cost up front (a complete "
                            "sensitivity table)")
     tune.add_argument("--executor", type=_executor_spec, default=None, metavar="processes:N|ray[:N]",
@@ -274,7 +276,8 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
             cache_dir=os.path.join(out, "cache"), progress=not args.no_progress,
             calibration_inputs=exp.calibration_inputs, test_fn=exp.test_fn, repeats=args.repeats,
             profile_accuracy=args.profile_accuracy, shared_cache_dir=shared, executor=executor,
-            higher_is_better=higher_is_better,
+            higher_is_better=higher_is_better, loss_fn=getattr(exp, "loss_fn", None),
+            loss_link=getattr(exp, "loss_link", "fitted"), loss_inputs=getattr(exp, "loss_inputs", None),
         )
     result.summary["experiment"] = {"name": exp.name, "description": exp.description,
                                     "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:])}

@@ -39,6 +39,11 @@ class Experiment:
       candidates: Default candidate policies (None: ``autopolicy.search.DEFAULT_CANDIDATES``).
       metric_name: What ``eval_fn`` measures, for reports.
       description: One line for listings and reports.
+      loss_fn: Optional ``loss_fn(model, *batch)`` -> per-example losses on a calibration batch
+        (differentiable): ``tune``'s first-order accuracy estimate.
+      loss_link: How a change of that loss reads as a change of the metric (``tune``'s
+        ``loss_link``: ``"exp"`` for a perplexity, ``"loss"``, ``"fitted"``).
+      loss_inputs: The batches ``loss_fn`` runs on (None: the calibration batches).
     """
 
     name: str
@@ -53,6 +58,9 @@ class Experiment:
     higher_is_better: bool = True
     metric_name: str = "metric"
     description: str = ""
+    loss_fn: Callable[..., Any] | None = None
+    loss_link: str = "fitted"
+    loss_inputs: Sequence[Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -72,6 +80,12 @@ class Experiment:
         if not isinstance(self.higher_is_better, bool):
             raise TypeError(f"Experiment.higher_is_better must be True (accuracy) or False (perplexity, loss). "
                             f"Received: higher_is_better={self.higher_is_better!r}")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise TypeError(f"Experiment.loss_fn must be a function loss_fn(model, *batch), or None. "
+                            f"Received: loss_fn={self.loss_fn!r}")
+        links = ("exp", "loss", "fitted")  # autopolicy.search.first_order.LINKS (not imported: no jax here)
+        if self.loss_link not in links:
+            raise ValueError(f"Experiment.loss_link must be one of {list(links)}. Received: loss_link={self.loss_link!r}")
         if isinstance(self.candidates, str):
             raise TypeError(f"Experiment.candidates must be a sequence of policy names, not one str. "
                             f"Received: candidates={self.candidates!r}; write ({self.candidates!r},)")

@@ -29,7 +29,11 @@ What ``autopolicy.search.tune`` lacks for this task (issue 24), worked around he
   naming the least bytes the candidates can reach.
 - Scale: 272 tunable layers; one-layer-at-a-time accuracy measurement (``profile_accuracy``
   "measure"/"always") costs one perplexity evaluation (about 10 s here) per layer and
-  candidate; the first-order (gradient x quantization error) estimate is not there.
+  candidate. The experiment gives ``loss_fn`` (each next token's negative log-likelihood on a
+  batch of the scored windows) with ``loss_link="exp"``, so ``profile_accuracy="first_order"`` (and
+  "auto") estimate every cost from one backward pass per calibration batch instead
+  (``autopolicy.search.first_order``; its rank correlation with measured one-layer perplexity
+  changes is in ``reports/smollm2/first_order.md``, from ``experiments/bench_first_order.py``).
 """
 
 from __future__ import annotations
@@ -139,4 +143,8 @@ def build(cache_dir) -> Experiment:
         candidates=CANDIDATES,
         metric_name="perplexity (calibration-split windows of Python's docs)",
         description=DESCRIPTION,
+        loss_fn=generation.token_nll,
+        loss_link="exp",
+        # the windows the metric scores: the first-order estimate expands the metric itself
+        loss_inputs=[(scored[i : i + BATCH],) for i in range(0, WINDOWS, BATCH)],
     )

@@ -25,8 +25,9 @@ from autopolicy.nn.calibration import calibrate
 from autopolicy.nn.weight_calibration import calibrate_weights, with_calibrated_placeholders
 from autopolicy.numerics import kernels
 from autopolicy.search import _checks
-from autopolicy.search.adapter import (Program, TunableLayer, cast_floating, digest_arrays, register_adapter,
-                                       shapes_and_dtypes)
+from autopolicy.adapters import _nn_first_order
+from autopolicy.search.adapter import (OutputGradients, Program, TunableLayer, cast_floating, digest_arrays,
+                                       register_adapter, shapes_and_dtypes)
 
 __all__ = ["NNAdapter", "LayerCall", "record_calls"]
 
@@ -121,6 +122,8 @@ class NNAdapter:
         self._kernels: dict[str, dict[str, str]] = {}
         self._calibration_args: dict[str, list[tuple]] | None = None
         self._calibrated: dict[tuple[str, str], Module] = {}
+        self._probe: _nn_first_order.GradientProbe | None = None
+        self._runner: _nn_first_order.LayerRunner | None = None
         self._layers = tuple(self._describe(path) for path, call in self.calls.items()
                              if self._modules[path].tunable)
 
@@ -217,6 +220,21 @@ class NNAdapter:
         if any(layer.quantization_mode == "float8" for layer in model.layers_by_path().values()):
             model = calibrate(model, self.calibration or [self.sample_args])
         return model
+
+    def output_gradients(self, loss_fn: Any, batch: Any) -> OutputGradients:
+        """The gradient of ``loss_fn(model, *batch)`` (per-example losses; their mean) with respect
+        to every tunable layer's output on the float32 model, with the layers' inputs
+        (:class:`~autopolicy.adapters._nn_first_order.GradientProbe`)."""
+        if self._probe is None or self._probe.loss_fn is not loss_fn:
+            self._probe = _nn_first_order.GradientProbe(self.model, [layer.path for layer in self._layers], loss_fn)
+        return self._probe(batch)
+
+    def layer_outputs(self, path: str, policy: policies.DTypePolicy, captured: OutputGradients) -> tuple:
+        """The layer at ``path`` under ``policy`` on each of its calls in ``captured``: per call,
+        its floating output leaves as float32 (one compilation per layer signature and policy)."""
+        if self._runner is None:
+            self._runner = _nn_first_order.LayerRunner(self._layer_under, {l.path: l.signature for l in self._layers})
+        return self._runner.outputs(path, policy, captured.inputs.get(path, ()))
 
     def model_program(self, model: Module) -> Program:
         return Program(_call_model, self.sample_args, model, compiled=model)

@@ -145,7 +145,8 @@ def next_rng_key(path: str) -> jax.Array | None:
 # --- call hooks (the search records each layer's inputs) ---------------------------------------
 
 # A hook sees (layer, args, kwargs) before the layer runs; it may return a callback that then
-# receives the layer's output.
+# receives the layer's output, and whose result, unless None, replaces that output (the search
+# adds a zero to each layer's output this way, to take the loss's gradient with respect to it).
 Hook = Callable[[Any, tuple, dict], Any]
 
 

@@ -201,7 +201,9 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
             out = view.call(*args, **kwargs)
         for callback in callbacks:
             if callback is not None:
-                callback(out)
+                replaced = callback(out)
+                if replaced is not None:  # a hook may stand in for the output (the search's probes)
+                    out = replaced
         return out
 
     def _autocast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

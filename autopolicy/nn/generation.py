@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["greedy_generate", "prefill", "decode_step", "perplexity", "token_windows"]
+__all__ = ["greedy_generate", "prefill", "decode_step", "perplexity", "token_nll", "token_windows"]
 
 
 @jax.jit
@@ -103,11 +103,23 @@ def token_windows(ids: Sequence[int], length: int, count: int | None = None) -> 
     return ids[: n * length].reshape(n, length)
 
 
-@jax.jit
-def _nll_sum(model: Any, ids: jax.Array) -> jax.Array:
+def token_nll(model: Any, ids: jax.Array) -> jax.Array:
+    """The negative log-likelihood of every next token of ``ids`` (``(batch, time)``) under
+    ``model``: ``(batch, time - 1)`` float32, differentiable (``exp`` of its mean is the
+    perplexity).
+
+    >>> uniform = lambda ids: jnp.zeros(ids.shape + (8,))  # equal logits over 8 tokens: log(8) each
+    >>> token_nll(uniform, jnp.array([[1, 2, 3, 4]])).round(4)
+    Array([[2.0794, 2.0794, 2.0794]], dtype=float32)
+    """
     logits = model(ids)[:, :-1].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.sum(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+    return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+
+
+@jax.jit
+def _nll_sum(model: Any, ids: jax.Array) -> jax.Array:
+    return jnp.sum(token_nll(model, ids))
 
 
 def perplexity(model: Any, windows: Any, batch: int = 4) -> float:

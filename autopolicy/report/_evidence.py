@@ -22,6 +22,8 @@ _ACCURACY = {
     "measured": "each layer changed alone and the whole model scored (eval_fn)",
     "estimated": ("estimated from each layer's output error, scaled to the fastest map's observed drop (its rise, "
                   "for a lower-is-better metric)"),
+    "first_order": ("estimated from the loss's gradient at each layer's output and the layer's output error under "
+                    "each candidate (first-order sensitivity, autopolicy.search.first_order), in the metric's units"),
     "skipped": "not needed: the fastest assignment met the budget",
 }
 

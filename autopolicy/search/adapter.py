@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,9 @@ __all__ = [
     "digest_arrays",
     "KERNEL_METHODS",
     "supports_kernels",
+    "OutputGradients",
+    "FIRST_ORDER_METHODS",
+    "supports_first_order",
     "cast_floating",
     "shapes_and_dtypes",
 ]
@@ -205,6 +208,44 @@ KERNEL_METHODS = ("layer_kernels", "use_kernels")
 def supports_kernels(adapter: Any) -> bool:
     """Whether ``adapter`` offers a choice of kernels (:data:`KERNEL_METHODS`)."""
     return all(callable(getattr(adapter, name, None)) for name in KERNEL_METHODS)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputGradients:
+    """A loss's gradient with respect to the output of every call of every tunable layer, on
+    one batch of the float32 model (what ``output_gradients`` returns).
+
+    Attributes:
+      loss: The loss on the batch: the mean of its per-example losses.
+      examples: How many per-example losses that mean is over.
+      gradients: ``path -> calls``: per call of the layer (in call order), the gradients of the
+        floating leaves of its output (float32, the leaves' shapes, in ``tree_leaves`` order).
+      inputs: ``path -> calls``: what each call received, in the adapter's own form (the search
+        only hands it back to ``layer_outputs``).
+    """
+
+    loss: float
+    examples: int
+    gradients: Mapping[str, tuple[tuple[Any, ...], ...]]
+    inputs: Mapping[str, tuple[Any, ...]]
+
+
+#: Optional adapter methods for the first-order accuracy estimate
+#: (:mod:`autopolicy.search.first_order`); the search uses it only with an adapter that has both:
+#:
+#: - ``output_gradients(loss_fn, batch) -> OutputGradients``: runs ``loss_fn(model, *batch)``
+#:   (per-example losses, their mean is the loss) on the float32 model with a zero added to the
+#:   output of every call of every tunable layer, and returns the loss's gradient with respect to
+#:   each such zero (the output's gradient), with the inputs of the calls.
+#: - ``layer_outputs(path, policy, captured) -> tuple[tuple[Array, ...], ...]``: the layer at
+#:   ``path`` under ``policy``, run on the inputs ``captured`` (an :class:`OutputGradients`)
+#:   holds for it: per call, the floating leaves of its output, as float32.
+FIRST_ORDER_METHODS = ("output_gradients", "layer_outputs")
+
+
+def supports_first_order(adapter: Any) -> bool:
+    """Whether ``adapter`` offers the first-order estimate's methods (:data:`FIRST_ORDER_METHODS`)."""
+    return all(callable(getattr(adapter, name, None)) for name in FIRST_ORDER_METHODS)
 
 
 AdapterFactory = Callable[[Any, tuple, list], ModelAdapter]

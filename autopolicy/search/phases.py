@@ -42,6 +42,7 @@ class Status:
     FAILED = "disqualified: failed to build or run"  # followed by the error: "(TypeError: ...)"
     ESTIMATED = "estimated: layer output error, scaled to the observed drop"
     NOT_ESTIMATED = "not estimated: the layer output error is unknown"
+    FIRST_ORDER = "estimated: loss gradient x layer output error (first order)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +137,7 @@ class LayerAccuracy:
 
     @property
     def usable(self) -> bool:
-        return self.status in (Status.REFERENCE, Status.MEASURED, Status.ESTIMATED)
+        return self.status in (Status.REFERENCE, Status.MEASURED, Status.ESTIMATED, Status.FIRST_ORDER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,7 @@ class AccuracyProfile:
     """Phase 2: per-layer accuracy costs (or why they were not measured)."""
 
     entries: Mapping[str, Mapping[str, LayerAccuracy]]  # path -> policy name -> accuracy
-    method: str  # "measured" (one layer at a time, end to end), "estimated" or "skipped"
+    method: str  # "measured" (one layer at a time, end to end), "estimated", "first_order" or "skipped"
     evaluations: int
     scale: float | None = None  # estimated: metric drop (or rise) per unit of relative output error
     remote: int = 0  # of ``evaluations``, those made by an executor's workers

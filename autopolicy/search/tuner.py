@@ -13,11 +13,12 @@ import numpy as np
 from typing import Any, Callable, Iterable, Sequence
 
 from autopolicy import _json, _multihost, policies
-from autopolicy.search import _checks, accuracy as accuracy_phase, executor as executor_mod, hardware, latency_model, noise, profiling, verify
+from autopolicy.search import (_checks, accuracy as accuracy_phase, executor as executor_mod, first_order, hardware,
+                               latency_model, noise, profiling, verify)
 from autopolicy.search.costs import Costs, phase
 from autopolicy.search._context import Context
 from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
-from autopolicy.search.adapter import AdapterFactory, digest_arrays, get_adapter, supports_kernels
+from autopolicy.search.adapter import AdapterFactory, digest_arrays, get_adapter, supports_first_order, supports_kernels
 from autopolicy.search.cache import MeasurementCache, key
 from autopolicy.search.endtoend import EndToEnd
 from autopolicy.search.phases import Budget
@@ -26,7 +27,7 @@ from autopolicy.search.sensitivity import Scorer
 
 __all__ = ["tune", "DEFAULT_CANDIDATES"]
 
-PROFILE_ACCURACY = ("auto", "measure", "always")
+PROFILE_ACCURACY = ("auto", "first_order", "measure", "always")
 
 
 def _reference(made: Any, eval_fn: Callable[[Any], float], calibration: list[tuple]) -> tuple[Any, Scorer]:
@@ -103,6 +104,9 @@ def tune(
     shared_cache_dir: str | None = None,
     executor: concurrent.futures.Executor | None = None,
     higher_is_better: bool = True,
+    loss_fn: Callable[..., Any] | None = None,
+    loss_link: str = "fitted",
+    loss_inputs: Iterable[Any] | None = None,
 ) -> TuneResult:
     """Finds the fastest per-layer policies on this machine whose metric stays within budget.
 
@@ -150,7 +154,14 @@ def tune(
         that way are costs measured one layer at a time. ``"measure"`` measures them one layer
         at a time (the rest float32, scored with ``eval_fn``) as soon as the fastest assignment
         breaks the budget. ``"always"`` measures every candidate of every layer, whatever its
-        speed, before solving (a complete sensitivity table for the report).
+        speed, before solving (a complete sensitivity table for the report). ``"first_order"``
+        estimates every cost from ``loss_fn``'s gradient at each layer's output and the layer's
+        output error under each candidate on the calibration batches
+        (:mod:`autopolicy.search.first_order`: one backward pass per batch, no evaluation), then
+        solves and verifies end to end (repairing the estimates by what it observes) and never
+        measures a layer; ``"auto"`` does the same when ``loss_fn`` is given and the adapter can
+        take gradients (an ``autopolicy.nn`` model), falling back to measuring if no map within
+        budget is found.
       confirm_seconds: Time allowed for extra paired rounds when a speed-up's interval
         straddles the margin; after it, the simpler configuration wins.
       shared_cache_dir: A directory shared by runs on this machine (the command line's
@@ -160,6 +171,17 @@ def tune(
         added to it when the run ends; accuracy is never taken from it. None: only ``cache_dir``.
       adapter: A factory ``adapter(model, sample_args, calibration) -> ModelAdapter`` to use
         instead of the one registered for the model's type.
+      loss_fn: ``loss_fn(model, *batch)``: a differentiable loss on a calibration batch, as
+        per-example losses (an array whose mean is the loss, e.g. each next token's negative
+        log-likelihood; a scalar counts the batch's leading dimension as its examples), for
+        the first-order estimate (``profile_accuracy``). None: no such estimate.
+      loss_link: How a change of the loss reads as a change of the metric: ``"exp"`` when the
+        metric is ``exp`` of the mean loss (a perplexity), ``"loss"`` when it is the loss
+        itself, ``"fitted"`` otherwise (one scale fitted so that the fastest map's changed layers
+        add up to its observed drop).
+      loss_inputs: The batches ``loss_fn`` is differentiated on (each a tuple of its arguments
+        after the model, or one array): labels may be part of them. Default: the calibration
+        batches.
       executor: Any ``concurrent.futures.Executor`` (a ``ProcessPoolExecutor``, Dask's
         ``Client.get_executor()``, :class:`autopolicy.distributed.RayExecutor`) to run the
         one-layer accuracy evaluations on; latency is always measured here, and the chosen map
@@ -207,8 +229,11 @@ def tune(
         if profile_accuracy not in PROFILE_ACCURACY:
             raise ValueError(f"profile_accuracy must be one of {list(PROFILE_ACCURACY)}. "
                              f"Received: profile_accuracy={profile_accuracy!r}")
+        first_order.check_arguments(profile_accuracy, loss_fn, loss_link, higher_is_better)
         calibration = _batches(calibration_inputs, args)
+        loss_batches = calibration if loss_inputs is None else _batches(loss_inputs, args)
         made = get_adapter(model, args, calibration, adapter)
+        first_order.check_arguments(profile_accuracy, loss_fn, loss_link, higher_is_better, made)
         layer_sites = profiling.sites(made.layers(), candidate_policies)
         if not layer_sites:
             raise ValueError("The model has no tunable layers (Dense, EinsumDense, Conv2D, Embedding, ...).")
@@ -253,13 +278,16 @@ def tune(
                 tried, settled = ([], False) if profile_accuracy == "always" else verify.fastest_first(
                     ctx, latency, models, calibration)
             accuracy = accuracy_phase.skipped_accuracy(ctx, latency) if settled else None
-            if not settled and profile_accuracy == "auto" and tried:
+            gradients = loss_fn is not None and supports_first_order(made)
+            if not settled and (profile_accuracy == "first_order" or (profile_accuracy == "auto" and (tried or gradients))):
                 with phase("sensitivity"):
-                    accuracy = accuracy_phase.estimate_accuracy(ctx, latency, tried[0])
+                    accuracy = (first_order.estimate(ctx, latency, loss_fn, loss_link, loss_batches,
+                                                     tried[0] if tried else None)
+                                if gradients else accuracy_phase.estimate_accuracy(ctx, latency, tried[0]))
                 if accuracy is not None:
                     with phase("verify"):
                         tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
-                    if not any(t.meets_budget for t in tried):
+                    if not any(t.meets_budget for t in tried) and profile_accuracy == "auto":
                         accuracy = None  # the estimates misled: measure one layer at a time
             if accuracy is None:
                 with phase("sensitivity"):

@@ -1,0 +1,272 @@
+"""Phase 2 without scoring a layer: the first-order (gradient x quantization error) estimate.
+
+A candidate policy changes a layer's output ``y`` by an error ``e`` (its output under the policy
+minus its float32 output, on the same inputs). With ``g`` the gradient of a differentiable loss
+``L`` (the mean of ``N`` per-example losses) with respect to ``y``, a Taylor expansion gives the
+loss's change:
+
+- the first-order term ``<g, e>``;
+- the Fisher term ``0.5 * N * sum(g**2 * e**2)``: the second-order term with the Hessian
+  replaced by the diagonal of the empirical Fisher, ``(1/N) sum_n grad(l_n) grad(l_n)^T``, each
+  example's gradient approximated by ``N * g`` where it touches the output (exact when each
+  output row feeds one example's loss). At a trained model the first-order term averages to
+  about zero over inputs, so this one is the usual sensitivity measure.
+
+:data:`ESTIMATOR` says which of them (or their sum) the search uses; it was chosen by rank
+correlation with measured one-layer perplexity changes of SmolLM2-135M
+(``experiments/bench_first_order.py``, ``reports/smollm2/first_order.md``): with the gradient
+taken on the very windows the metric scores, their sum ranks 32 layer/candidate pairs with
+Spearman 0.87 (the Fisher term alone 0.66, the first-order term alone 0.67): on the metric's own
+data the first-order term is not zero, it is the sign-indefinite part of each change. On 4
+windows disjoint from the scored ones the Fisher term alone ranked best (0.65; the sum 0.61), so
+give ``loss_inputs`` the metric's own batches where they are at hand. Every figure comes from one forward and backward pass per
+calibration batch, plus one run of each layer under each candidate on the inputs that pass
+recorded: no metric evaluation.
+
+The loss change is turned into the metric's units by :data:`LINKS`: ``"exp"`` for a perplexity
+(``exp`` of a mean negative log-likelihood: a change ``dL`` multiplies it by ``exp(dL)``),
+``"loss"`` for a metric that is the loss itself, ``"fitted"`` for any other metric (one scale
+fitted so that the changed layers of a map scored end to end add up to its observed drop).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from autopolicy import policies
+from autopolicy.search._context import Context
+from autopolicy.search._defaults import REFERENCE
+from autopolicy.search._progress import progress as bar
+from autopolicy.search.accuracy import dominated
+from autopolicy.search.adapter import FIRST_ORDER_METHODS, digest_arrays, supports_first_order
+from autopolicy.search.cache import MeasurementCache, key
+from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, LayerAccuracy, Status
+
+__all__ = ["LINKS", "TERMS", "ESTIMATOR", "batch_terms", "measure_terms", "combine", "loss_change", "metric_cost",
+           "estimate", "check_arguments"]
+
+#: How a loss change becomes a change of the metric (see the module docstring).
+LINKS = ("exp", "loss", "fitted")
+#: The estimates of a loss change: the first-order term, the Fisher term, or their sum.
+TERMS = ("first", "fisher", "both")
+#: The one the search uses (chosen by measured rank correlation: see the module docstring).
+ESTIMATOR = "both"
+
+Pair = tuple[str, policies.DTypePolicy]
+
+
+def _sums(gradients: Sequence[tuple], outputs: Sequence[tuple], reference: Sequence[tuple]) -> dict[str, Any]:
+    """Over every call and output leaf, in float64: ``<g, e>``, ``sum(g^2 e^2)``, the reference's
+    and the error's squared sums, and whether the outputs are finite."""
+    dot = square = signal = noise = 0.0
+    for grads, outs, refs in zip(gradients, outputs, reference):
+        for g, y, r in zip(grads, outs, refs):
+            y64, r64 = np.asarray(y, np.float64).ravel(), np.asarray(r, np.float64).ravel()
+            if not np.all(np.isfinite(y64)):
+                return {"finite": False}
+            e, g64 = y64 - r64, np.asarray(g, np.float64).ravel()
+            dot += float(np.dot(g64, e))
+            square += float(np.dot(g64 * g64, e * e))
+            signal += float(np.dot(r64, r64))
+            noise += float(np.dot(e, e))
+    return {"finite": True, "dot": dot, "square": square, "signal": signal, "noise": noise}
+
+
+def batch_terms(adapter: Any, captured: Any, pairs: Sequence[Pair],
+                done: Callable[[Pair, dict], None] = lambda pair, record: None, progress: bool = False) -> dict:
+    """One batch's sums for every (layer path, policy) of ``pairs`` from ``captured`` (the
+    adapter's :class:`~autopolicy.search.adapter.OutputGradients` of that batch); each record
+    also holds the batch's ``examples``. ``done(pair, record)`` is called as each is ready."""
+    out, reference_path, reference = {}, None, None
+    float32 = policies.get(REFERENCE)
+    for path, policy in bar(progress, pairs, "first-order", len(pairs)):
+        if path != reference_path:  # pairs come grouped by layer: its float32 outputs once
+            reference_path, reference = path, adapter.layer_outputs(path, float32, captured)
+        outputs = adapter.layer_outputs(path, policy, captured)
+        record = {**_sums(captured.gradients.get(path, ()), outputs, reference), "examples": captured.examples}
+        out[(path, policy.name)] = record
+        done((path, policy), record)
+    return out
+
+
+def combine(records: Iterable[dict]) -> dict[str, float | bool]:
+    """One pair's terms over its batches' records (:func:`batch_terms`), for the loss that is the
+    mean over all their examples: ``first`` (``sum_b w_b <g_b, e_b>``, ``w_b = N_b / N``),
+    ``fisher`` (``0.5 * sum_b w_b N_b sum(g_b^2 e_b^2)``) and ``sqnr_db``.
+
+    >>> combine([{"finite": True, "dot": 0.5, "square": 2.0, "signal": 4.0, "noise": 0.04, "examples": 10}])
+    {'finite': True, 'first': 0.5, 'fisher': 10.0, 'sqnr_db': 20.0}
+    """
+    records = list(records)
+    if not all(r["finite"] for r in records):
+        return {"finite": False, "first": math.nan, "fisher": math.nan, "sqnr_db": math.nan}
+    total = sum(r["examples"] for r in records)
+    first = sum(r["examples"] * r["dot"] for r in records) / total
+    fisher = 0.5 * sum(r["examples"] ** 2 * r["square"] for r in records) / total
+    signal, noise = sum(r["signal"] for r in records), sum(r["noise"] for r in records)
+    sqnr = math.inf if noise == 0 else 10.0 * math.log10(max(signal, 1e-300) / noise)
+    return {"finite": True, "first": first, "fisher": fisher, "sqnr_db": sqnr}
+
+
+def loss_change(terms: dict, estimator: str = ESTIMATOR) -> float:
+    """The estimated change of the loss from :func:`combine`'s terms, by ``estimator``.
+
+    Raises:
+      ValueError: for an estimator not in :data:`TERMS`.
+    """
+    if estimator not in TERMS:
+        raise ValueError(f"estimator must be one of {list(TERMS)}. Received: estimator={estimator!r}")
+    if estimator == "both":
+        return terms["first"] + terms["fisher"]
+    return terms[estimator]
+
+
+def metric_cost(change: float, link: str, baseline: float, scale: float = 1.0) -> float:
+    """A loss change as the metric's worsening (>= 0) under ``link`` (:data:`LINKS`); ``baseline``
+    is the float32 metric, ``scale`` the fitted scale of ``"fitted"``.
+
+    >>> round(metric_cost(0.01, "exp", 20.0), 4), metric_cost(-0.5, "loss", 3.0)
+    (0.201, 0.0)
+    """
+    if link == "exp":
+        cost = baseline * math.expm1(change)
+    elif link == "loss":
+        cost = change
+    elif link == "fitted":
+        cost = scale * change
+    else:
+        raise ValueError(f"loss_link must be one of {list(LINKS)}. Received: loss_link={link!r}")
+    return max(0.0, cost)
+
+
+def _key(ctx: Context, loss_name: str, batch: str, path: str, policy: str) -> str:
+    return key(ctx.fingerprint, "first_order", ctx.digest, loss_name, batch, path, policy)
+
+
+def _pairs(ctx: Context, latency: LatencyProfile) -> tuple[list[Pair], dict[str, dict[str, LayerAccuracy]]]:
+    """The (path, policy) pairs to estimate, and the tables with what needs no estimate."""
+    entries: dict[str, dict[str, LayerAccuracy]] = {}
+    pairs: list[Pair] = []
+    for i, site in enumerate(latency.sites):
+        entries[site.path] = {REFERENCE: LayerAccuracy(Status.REFERENCE, metric=ctx.budget.baseline_metric,
+                                                       cost=0.0, sqnr_db=math.inf, kl=0.0)}
+        for policy in site.candidates[1:]:
+            if not latency.timing(site.path, policy.name).finite:
+                entries[site.path][policy.name] = LayerAccuracy(Status.NONFINITE_LAYER)
+            elif dominated(latency, i, policy):
+                entries[site.path][policy.name] = LayerAccuracy(Status.SLOWER)
+            else:
+                pairs.append((site.path, policy))
+    return pairs, entries
+
+
+def measure_terms(adapter: Any, cache: MeasurementCache, keyed: Callable[[int, str, str], str], loss_fn: Callable,
+                  batches: Sequence[tuple], pairs: Sequence[Pair], progress: bool = False) -> dict:
+    """``(path, policy name) -> [record per batch]``, from ``cache`` where ``keyed(batch index,
+    path, policy name)`` is there; a batch with any pair missing gets its backward pass, and each
+    new record is cached (flushed as each layer completes, so a killed run resumes)."""
+    records: dict[tuple[str, str], list] = {(p, q.name): [] for p, q in pairs}
+    for b, batch in enumerate(batches):
+        missing = []
+        for path, policy in pairs:
+            cached = cache.lookup(keyed(b, path, policy.name))
+            if cached is None:
+                missing.append((path, policy))
+            else:
+                records[(path, policy.name)].append(cached)
+        if not missing:
+            continue
+        captured = adapter.output_gradients(loss_fn, batch)
+        state = {"path": None}
+
+        def done(pair: Pair, record: dict, b=b) -> None:
+            if state["path"] not in (None, pair[0]):
+                cache.flush()
+            state["path"] = pair[0]
+            cache.put(keyed(b, pair[0], pair[1].name), record)
+            records[(pair[0], pair[1].name)].append(record)
+
+        batch_terms(adapter, captured, missing, done, progress)
+        cache.flush()
+        del captured
+    return records
+
+
+def _fitted_scale(ctx: Context, changes: dict[tuple[str, str], float], observed: Configuration | None) -> float | None:
+    """The metric worsening per unit of loss change that makes ``observed``'s changed layers add
+    up to its observed drop (None when it cannot be fitted)."""
+    if observed is None or observed.metric is None:
+        return None
+    drop = ctx.budget.drop(observed.metric)
+    total = sum(max(0.0, changes.get((p, n), math.nan)) for p, n in observed.changed.items())
+    if not (math.isfinite(drop) and drop > 0 and math.isfinite(total) and total > 0):
+        return None
+    return drop / total
+
+
+def estimate(ctx: Context, latency: LatencyProfile, loss_fn: Callable, link: str, batches: Sequence[tuple],
+             observed: Configuration | None = None) -> AccuracyProfile | None:
+    """Every layer's cost under every candidate it could be given, in the metric's units, from
+    the first-order estimate of ``loss_fn`` on ``batches`` (cached in the run's cache, per batch
+    by its contents).
+
+    A candidate whose layer output is not finite is disqualified; one slower than float32 by
+    more than any cast it could save is skipped (the solver would never choose it). Returns
+    None when ``link`` is ``"fitted"`` and no scale can be fitted from ``observed``.
+    """
+    pairs, entries = _pairs(ctx, latency)
+    loss_name = getattr(loss_fn, "__qualname__", repr(loss_fn))
+    digests = [digest_arrays(batch) for batch in batches]
+    keyed = lambda b, path, name: _key(ctx, loss_name, digests[b], path, name)  # noqa: E731
+    records = measure_terms(ctx.adapter, ctx.cache, keyed, loss_fn, batches, pairs, ctx.progress)
+    terms = {pair: combine(rs) for pair, rs in records.items()}
+    changes = {pair: loss_change(t) for pair, t in terms.items() if t["finite"]}
+    scale = 1.0
+    if link == "fitted":
+        scale = _fitted_scale(ctx, changes, observed)
+        if scale is None:
+            return None
+    for (path, name), t in terms.items():
+        if not t["finite"]:
+            entries[path][name] = LayerAccuracy(Status.NONFINITE_LAYER)
+            continue
+        cost = metric_cost(changes[(path, name)], link, ctx.budget.baseline_metric, scale)
+        entries[path][name] = LayerAccuracy(Status.FIRST_ORDER, cost=cost, sqnr_db=t["sqnr_db"])
+    entries = {s.path: {p.name: entries[s.path][p.name] for p in s.candidates} for s in latency.sites}
+    return AccuracyProfile(entries, method="first_order", evaluations=0, scale=scale if link == "fitted" else None)
+
+
+def check_arguments(profile_accuracy: str, loss_fn: Any, loss_link: str, higher_is_better: bool,
+                    adapter: Any = None) -> None:
+    """Checks ``tune``'s ``loss_fn`` and ``loss_link`` against ``profile_accuracy``.
+
+    Raises:
+      ValueError: for ``profile_accuracy="first_order"`` without a ``loss_fn`` or with an
+        adapter that cannot take gradients (:data:`~autopolicy.search.adapter.FIRST_ORDER_METHODS`),
+        a ``loss_link`` not in :data:`LINKS`, or a link that reads the metric as a loss
+        (``"exp"``, ``"loss"``) with a higher-is-better metric.
+      TypeError: for a ``loss_fn`` that is not callable.
+
+    >>> check_arguments("first_order", None, "exp", False)
+    Traceback (most recent call last):
+    ...
+    ValueError: profile_accuracy='first_order' needs loss_fn=loss_fn(model, *batch) -> per-example losses (a differentiable loss, e.g. next-token cross-entropy). Received: loss_fn=None
+    """
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function loss_fn(model, *batch) -> per-example losses, or None. "
+                        f"Received: loss_fn={loss_fn!r}")
+    if profile_accuracy == "first_order" and loss_fn is None:
+        raise ValueError("profile_accuracy='first_order' needs loss_fn=loss_fn(model, *batch) -> per-example losses "
+                         "(a differentiable loss, e.g. next-token cross-entropy). Received: loss_fn=None")
+    if loss_link not in LINKS:
+        raise ValueError(f"loss_link must be one of {list(LINKS)}. Received: loss_link={loss_link!r}")
+    if loss_link in ("exp", "loss") and higher_is_better:
+        raise ValueError(f"loss_link={loss_link!r} reads the metric as {'exp(loss)' if loss_link == 'exp' else 'the loss'}"
+                         ", which is lower-is-better, but higher_is_better=True: pass higher_is_better=False or "
+                         "loss_link='fitted'.")
+    if profile_accuracy == "first_order" and adapter is not None and not supports_first_order(adapter):
+        raise ValueError(f"profile_accuracy='first_order' needs an adapter with {list(FIRST_ORDER_METHODS)}; "
+                         f"{type(adapter).__name__} has not. Use profile_accuracy='auto' or 'measure'.")
