@@ -60,6 +60,23 @@ def _prepared_inverse(hessian: jax.Array, damping: float) -> tuple[jax.Array, ja
     return jnp.linalg.cholesky(h_inv).T, dead
 
 
+# One compilation, not one per primitive (the Cholesky factorizations' eager compiles were most
+# of a small model's calibration time).
+@functools.partial(jax.jit, static_argnums=3)
+def _padded_problem(w_t: jax.Array, hessian: jax.Array, damping: float,
+                    padded: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(w_t, U, finite)`` padded to ``padded`` columns, dead columns zeroed; ``finite``: whether
+    the damped Hessian was positive definite."""
+    k = w_t.shape[1]
+    u, dead = _prepared_inverse(hessian, damping)
+    w_t = jnp.where(dead[None, :], 0.0, w_t)
+    # Padding columns are 0 with an identity Hessian block: they quantize exactly, feed back nothing.
+    w_p = jnp.pad(w_t, [(0, 0), (0, padded - k)])
+    u_p = jnp.pad(u, [(0, padded - k), (0, padded - k)])
+    u_p = u_p + jnp.diag(jnp.where(jnp.arange(padded) >= k, 1.0, 0.0))
+    return w_p, u_p, jnp.all(jnp.isfinite(u))
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _quantize_columns(w_t: jax.Array, u: jax.Array, bits: int, group_size: int,
                       per_channel: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -131,18 +148,13 @@ def gptq_quantize(
     if act_order:
         perm = np.argsort(-np.asarray(jnp.diagonal(hessian)), kind="stable")
         w_t, hessian = w_t[:, perm], hessian[perm][:, perm]
-    u, dead = _prepared_inverse(hessian, damping)
-    if not bool(jnp.all(jnp.isfinite(u))):
-        raise ValueError("GPTQ: the damped Hessian of the calibration inputs is not positive definite; "
-                         "raise the damping or calibrate on more (and more varied) inputs.")
-    w_t = jnp.where(dead[None, :], 0.0, w_t)
     per_channel = group_size == weight_only.PER_CHANNEL
     size = k if per_channel else group_size
     padded = weight_only.group_count(k, group_size) * size
-    # Padding columns are 0 with an identity Hessian block: they quantize exactly, feed back nothing.
-    w_p = jnp.pad(w_t, [(0, 0), (0, padded - k)])
-    u_p = jnp.pad(u, [(0, padded - k), (0, padded - k)])
-    u_p = u_p + jnp.diag(jnp.where(jnp.arange(padded) >= k, 1.0, 0.0))
+    w_p, u_p, finite = _padded_problem(w_t, hessian, damping, padded)
+    if not bool(finite):
+        raise ValueError("GPTQ: the damped Hessian of the calibration inputs is not positive definite; "
+                         "raise the damping or calibrate on more (and more varied) inputs.")
     q, scale, zero = _quantize_columns(w_p, u_p, bits, size, per_channel)
     q = q[:, :k]
     g_idx = (np.arange(k) // size).astype(np.float32)

@@ -79,7 +79,12 @@ def quantize_symmetric(
     Array([[  64, -127],
            [ 127,   16]], dtype=int8)
     """
-    axes = _reduce_axes(x.ndim, axes)
+    return _quantize_symmetric(x, _reduce_axes(jnp.ndim(x), axes), jnp.dtype(scale_dtype))
+
+
+# Jitted: called eagerly (on weights), one compilation per signature instead of one per primitive.
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize_symmetric(x: jax.Array, axes: tuple[int, ...], scale_dtype: Any) -> tuple[jax.Array, jax.Array]:
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
     # An all-zero slice gets scale 1 (its values quantize to 0 either way).
@@ -259,10 +264,18 @@ def quantize_weights(kernel: jax.Array, contract_axes: Sequence[int], op: str, p
     kernels, ``kernel_colsum`` (measured: recomputing the column sums at every call halves the
     int8 speed-up at 128 rows)."""
     del policy  # int8 has no parameters
-    kernel_q, scale = quantize_symmetric(kernel, contract_axes, scale_dtype=scale_dtype)
+    axes = _reduce_axes(jnp.ndim(kernel), contract_axes)
+    return _quantize_kernel(kernel, axes, op == "einsum", jnp.dtype(scale_dtype))
+
+
+# One compilation per kernel signature, not one per primitive as eagerly: measured 3x less CPU
+# time for a kernel of a new shape (quantize_symmetric is jitted too, for its other callers).
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize_kernel(kernel: jax.Array, axes: tuple[int, ...], colsum: bool, scale_dtype: Any) -> dict:
+    kernel_q, scale = quantize_symmetric(kernel, axes, scale_dtype=scale_dtype)
     arrays = {"kernel": kernel_q, "kernel_scale": scale}
-    if op == "einsum":
-        arrays["kernel_colsum"] = column_sums(kernel_q, contract_axes)
+    if colsum:
+        arrays["kernel_colsum"] = column_sums(kernel_q, axes)
     return arrays
 
 
