@@ -7,11 +7,6 @@ Set up before JAX is imported, for a fast run under pytest-xdist (``-n auto``):
   (``max(2, os.cpu_count() // workers)``), so workers on many cores do not fight over them;
   ``XLA_FLAGS`` already naming ``intra_op_parallelism_threads`` is left as it is. CLI tests'
   subprocesses inherit the cap.
-- XLA compiles with LLVM's optimizations off (``--xla_backend_optimization_level=0``): most of
-  the suite's CPU time is compiling ~1,000 small programs each run once, and this cuts it by
-  about a fifth (22% of a 204-test sample) with every test passing; the product's own runs keep
-  XLA's default. ``XLA_FLAGS`` already naming ``xla_backend_optimization_level`` is left as it
-  is (``AUTOPOLICY_TEST_XLA_OPT=default`` leaves XLA's default level too).
 - JAX's persistent compilation cache is on for the run, in the git-ignored ``.cache/jax-tests``
   (override with ``AUTOPOLICY_TEST_JAX_CACHE``; an empty value turns it off), with no minimum
   compile time, so a second run reuses the first one's compilations.
@@ -38,13 +33,6 @@ def _cap_xla_threads() -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={threads}".strip()
 
 
-def _fast_compiles() -> None:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" in flags or os.environ.get("AUTOPOLICY_TEST_XLA_OPT") == "default":
-        return
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
-
-
 def _persistent_compilation_cache() -> None:
     cache = os.environ.get("AUTOPOLICY_TEST_JAX_CACHE",
                            str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax-tests"))
@@ -60,7 +48,6 @@ def _machine_cache() -> None:
 
 
 _cap_xla_threads()
-_fast_compiles()
 _persistent_compilation_cache()
 _machine_cache()
 
