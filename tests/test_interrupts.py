@@ -61,6 +61,9 @@ def test_a_second_interrupt_while_winding_down_is_ignored(monkeypatch, capsys):
         settle_calls.append(True)
 
     settle_calls = []
+    # Start from Python's own handler whatever an earlier test on this worker left installed:
+    # the assertion below is about what cli.main restores.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     monkeypatch.setitem(cli._COMMANDS, "list", interrupted)
     monkeypatch.setattr(cli, "_settle", settle_interrupted_again)
     assert cli.main(["list"]) == cli.EXIT_INTERRUPTED
