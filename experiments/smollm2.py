@@ -34,6 +34,10 @@ What ``autopolicy.search.tune`` lacks for this task (issue 24), worked around he
   "auto") estimate every cost from one backward pass per calibration batch instead
   (``autopolicy.search.first_order``; its rank correlation with measured one-layer perplexity
   changes is in ``reports/smollm2/first_order.md``, from ``experiments/bench_first_order.py``).
+- Weight-only candidates: GPTQ policies are calibrated per layer on its float inputs (the nn
+  adapter), and run autopolicy's weight-only CPU kernel where the tuner times it faster; the
+  attention projections are EinsumDense layers, which have no GPTQ/AWQ form yet (float32, int8
+  or int4 for them).
 """
 
 from __future__ import annotations
