@@ -34,8 +34,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import smollm2  # noqa: E402
 
 import autopolicy as ap  # noqa: E402
-from autopolicy import _atomic  # noqa: E402
-from autopolicy.nn import generation  # noqa: E402
+from autopolicy import _atomic, nn  # noqa: E402
+from autopolicy.nn import _base, generation  # noqa: E402
 from autopolicy.search import hardware  # noqa: E402
 
 UNIFORM = ("mixed_bfloat16", "int8_from_float32", "int4_from_float32", "int4/128_from_float32",
@@ -92,6 +92,22 @@ def tuned_from_run(run: pathlib.Path) -> tuple[dict[str, str], dict[str, str], d
             if row.get("chosen") == "True" and row.get("kernel"):
                 kernels[row["layer"]] = row["kernel"]
     return policies, kernels, summary
+
+
+def calibrated(built, model, batches, cache: dict):
+    """``built`` with its GPTQ/AWQ layers calibrated as the tune does (each alone, on its float
+    inputs: ``sequential=False``), so a layer is calibrated once per policy across every
+    configuration: from the uniform model of that policy, calibrated once and kept in ``cache``."""
+    wanted = {p: layer.dtype_policy.name for p, layer in built.layers_by_path().items()
+              if layer.quantization_mode in ("gptq", "awq")}
+    for policy in sorted(set(wanted.values()) - set(cache)):
+        t0 = time.perf_counter()
+        cache[policy] = nn.calibrate_weights(model.with_dtype_policy(policy), batches,
+                                             sequential=False).layers_by_path()
+        print(f"calibrated {policy} in {time.perf_counter() - t0:.0f} s", flush=True)
+    if not wanted:
+        return built
+    return _base.map_modules(built, lambda m: cache[wanted[m.path]][m.path] if m.path in wanted else None)
 
 
 def time_decode(models: dict, cache_length: int, reps: int, inner: int) -> dict[str, np.ndarray]:
@@ -179,13 +195,17 @@ def main(argv=None) -> None:
         if run is not None:
             policies, kernels, summaries[label] = tuned_from_run(run)
             specs[label] = (policies, kernels)
-    models, rows = {}, {}
+    # GPTQ/AWQ layers are calibrated as the tune calibrates them: each layer alone on its float
+    # inputs from the experiment's calibration batches.
+    calibration = smollm2.windows(tok, "calibration", None)
+    batches = [(calibration[smollm2.WINDOWS : smollm2.WINDOWS + smollm2.BATCH],)]
+    models, rows, cache = {}, {}, {}
     for name, (policy, kernels) in specs.items():
         if policy == "float32":
             built = model
         else:
-            built = with_kernels(model.with_dtype_policy(ap.DTypePolicyMap("float32", policy)
-                                                         if isinstance(policy, dict) else policy), kernels)
+            built = model.with_dtype_policy(ap.DTypePolicyMap("float32", policy) if isinstance(policy, dict) else policy)
+            built = with_kernels(calibrated(built, model, batches, cache), kernels)
         models[name] = built
         t0 = time.perf_counter()
         ppl = generation.perplexity(built, heldout, smollm2.BATCH)

@@ -266,6 +266,6 @@ def test_auto_profile_estimates_costs_from_layer_output_errors_when_the_fastest_
     assert s["evaluations"]["verify"] == len(maps) and len(calls) == 1 + s["evaluations"]["total"]
 
 
-def test_profile_accuracy_must_be_auto_measure_or_always(trained):
-    with pytest.raises(ValueError, match=r"\['auto', 'measure', 'always'\].*profile_accuracy='sometimes'"):
+def test_profile_accuracy_must_be_one_of_the_modes(trained):
+    with pytest.raises(ValueError, match=r"\['auto', 'first_order', 'measure', 'always'\].*profile_accuracy='sometimes'"):
         search.tune(trained, val_accuracy, SAMPLE, profile_accuracy="sometimes", progress=False)
