@@ -237,7 +237,9 @@ def main(argv=None) -> None:
         "# SmolLM2-135M-Instruct: per-layer precision for batch-1 decoding on a CPU", "",
         f"Device: {device}. Load average at the end of the run: {load}. "
         f"Made by `python experiments/report_smollm2.py --out {args.out}"
-        + (f" --tuned {args.tuned.name}" if args.tuned else "") + f" --reps {args.reps}` "
+        + (f" --tuned runs/{args.tuned.name}" if args.tuned else "")
+        + (f" --tuned-budget runs/{args.tuned_budget.name}" if args.tuned_budget else "")
+        + (f" --uniform {' '.join(args.uniform)}" if tuple(args.uniform) != UNIFORM else "") + f" --reps {args.reps}` "
         f"in {time.perf_counter() - started:.0f} s.", "",
         f"Perplexity: {len(heldout)} held-out windows of {smollm2.WINDOW} tokens of Python's documentation "
         f"(`pydoc_data.topics`, the tune's `test_fn`). Decode: one step at batch 1, cache {smollm2.CACHE}, "
@@ -269,7 +271,7 @@ def main(argv=None) -> None:
             counts[policy] = counts.get(policy, 0) + 1
         lines += [f"## The {label} map", "",
                   f"{len(chosen['policies'])} layers: " + ", ".join(f"{n} {p}" for p, n in sorted(counts.items()))
-                  + f". Tune: {summary.get('wall_s', float('nan')):.0f} s wall; "
+                  + f". Tune: {summary.get('wall_time_s', float('nan')):.0f} s wall; "
                   f"see the run's `report.md` for the phases.", ""]
     if figure:
         lines += ["## Sensitivity", "", f"![per-layer sensitivity]({figure})", "",

@@ -60,10 +60,10 @@ WINDOW = 128      # tokens per perplexity window
 WINDOWS = 16      # held-out windows scored (2032 predicted tokens)
 BATCH = 4         # windows per compiled call
 CACHE = 256       # the decode objective's cache length
-# Held-out perplexity of each as a uniform policy, float32 23.43 (2-core AMD EPYC, this session's
-# report): weight-only 8-bit per channel +0.4%, int8 (int8 activations) +4.8%, weight-only
-# 4-bit in groups of 32 +8.3%, int4 in blocks of 128 +140%; bfloat16 (+0.3%) is left out: its
-# decode step is 10x slower than float32 on CPUs without native bfloat16 dot products.
+# Held-out perplexity of each as a uniform policy, float32 23.43 (reports/smollm2/README.md):
+# weight-only 8-bit per channel +0.4%, int8 (int8 activations) +3.9%, weight-only 4-bit in groups
+# of 32 +8.3%, int4 in blocks of 128 +139%; bfloat16 (+0.3%) is left out: its decode step is 10x
+# slower than float32 on CPUs without native bfloat16 dot products.
 CANDIDATES = ("gptq/8/-1_from_float32", "int8_from_float32", "gptq/4/32_from_float32", "int4/128_from_float32")
 
 
