@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
 import pathlib
 import sys
 import time
@@ -227,7 +228,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     figure = heatmap(args.tuned / "profile.csv", args.out / "sensitivity.png", config.blocks) if args.tuned else None
     device = hardware.describe()
-    load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     _atomic.write_json(args.out / "results.json", {"device": device, "load_average": load, "rows": rows,
                                                    "maps": {k: v[0] for k, v in specs.items()},
                                                    "generated": texts, "prompts": PROMPTS,
