@@ -12,6 +12,9 @@ within rounds, with their quartiles):
   ``cpu_ffi`` (autopolicy's C++ kernel);
 - ``int4 xla`` / ``int4 ffi``: the same with int4 weights per channel; ``int4/32 ffi`` with
   blocks of 32 (the grid of the SmolLM2 checkpoint);
+- ``int8 ffi avx2`` (and int4): the same FFI calls on another instruction-set path this CPU also
+  has (on an AVX512-VNNI machine, the AVX2 kernels beside the VNNI ones: the path is switched
+  around each timed call);
 - ``keras int8`` / ``keras int4``: Keras 3's ``Dense(N)`` with the same weights after
   ``.quantize(...)`` (JAX backend, ``stateless_call`` in the same compiled loop).
 
@@ -101,12 +104,33 @@ def candidates(m: int, k: int, n: int, seed: int) -> tuple[dict[str, Candidate],
         out["int4 ffi"] = Candidate(_int4_op("cpu_ffi", int4.PER_CHANNEL), (x,), state=q4)
         out["int4/32 ffi"] = Candidate(_int4_op("cpu_ffi", 32), (x,), state=q4b)
         nbytes.update({"int8 ffi": k * n, "int4 ffi": k * n // 2, "int4/32 ffi": k * n // 2 + k * n // 8})
+        for other in _other_paths():
+            for name in ("int8 ffi", "int4 ffi", "int4/32 ffi"):
+                out[f"{name} {other}"], nbytes[f"{name} {other}"] = out[name], nbytes[name]
     for mode in ("int8", "int4"):
         keras_candidate = _keras_dense(w_np, mode)
         if keras_candidate is not None:
             out[f"keras {mode}"] = Candidate(keras_candidate.fn, (x,), state=keras_candidate.state)
             nbytes[f"keras {mode}"] = k * n if mode == "int8" else k * n // 2
     return out, nbytes
+
+
+def _other_paths() -> list[str]:
+    """The SIMD paths this CPU has besides the one in use (the portable one left out)."""
+    best = cpu_kernels.path()
+    return [p for p in cpu_kernels.supported_paths() if p not in (best, "portable")]
+
+
+def _on_path(run, path: str):
+    """``run`` with the kernels switched to ``path`` for the call (and back after)."""
+    def call():
+        best = cpu_kernels.path()
+        cpu_kernels.set_path(path)
+        try:
+            run()
+        finally:
+            cpu_kernels.set_path(best)
+    return call
 
 
 def bandwidth(seconds: float = 2.0) -> float:
@@ -126,6 +150,10 @@ def bandwidth(seconds: float = 2.0) -> float:
 def bench(m: int, k: int, n: int, repeats: int, seed: int, bw: float) -> list[dict[str, Any]]:
     cands, nbytes = candidates(m, k, n, seed)
     timer = Timer(cands, warmup=1, seed=seed)
+    for other in _other_paths():
+        for name, (run, inner) in list(timer.runners.items()):
+            if name.endswith(f" {other}"):
+                timer.runners[name] = (_on_path(run, other), inner)
     timer.rounds(repeats)
     timings = timer.timings()
     rows = []
@@ -188,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         k, n = (int(v) for v in shape.lower().split("x"))
         for m in args.batches:
             repeats = args.repeats or (9 if m <= 32 else 5)
-            rows += bench(m, k, n, repeats, args.seed, bw)
-            print(f"{k}x{n} batch {m}: " + ", ".join(f"{r['name']} {_fmt(r['vs_float32'])}" for r in rows[-9:]
-                                                      if r["shape"] == f"{k}x{n}" and r["batch"] == m), file=sys.stderr)
+            new = bench(m, k, n, repeats, args.seed, bw)
+            rows += new
+            print(f"{k}x{n} batch {m}: " + ", ".join(f"{r['name']} {_fmt(r['vs_float32'])}" for r in new),
+                  file=sys.stderr)
     text = markdown(rows, bw, command)
     cpu_model, _ = read_cpuinfo()
     out = args.out or os.path.join("reports", f"cpu-kernels-{device_slug(current_device(), cpu_model)}.md")

@@ -18,8 +18,10 @@ from autopolicy.numerics.device import Device
 needs_kernels = pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason=f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
 PATHS = cpu_kernels.supported_paths() if cpu_kernels.AVAILABLE else ()
 
-# (rows, K, N): batch 1 and 7, odd K, N not a multiple of the SIMD width (16), a wide N.
-SHAPES = [(1, 64, 16), (1, 577, 45), (7, 96, 33), (7, 33, 17), (3, 1024, 80), (2, 130, 300)]
+# (rows, K, N): batch 1 and 7, odd K, N not a multiple of the SIMD widths (16 and 32 columns on
+# AVX2, 64 on AVX512-VNNI), K not a multiple of 8 (two quads of K rows a VNNI pass), a wide N.
+SHAPES = [(1, 64, 16), (1, 577, 45), (7, 96, 33), (7, 33, 17), (3, 1024, 80), (2, 130, 300), (5, 515, 200),
+          (1, 260, 128)]
 
 
 def _int8_operands(rows, k, n, seed, extremes=False):
@@ -134,11 +136,13 @@ def test_the_int4_gemm_equals_the_portable_path(rows, k, n, block, gemm_everywhe
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 32), (1, 577, 45), (2, 130, 300), (3, 33, 70), (5, 1000, 96), (7, 96, 33)])
-@pytest.mark.parametrize("block", ["channel", 2, 32])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 32), (1, 577, 45), (2, 130, 300), (3, 33, 70), (5, 1000, 96), (7, 96, 33),
+                                      (4, 70, 192), (1, 1030, 64)])
+@pytest.mark.parametrize("block", ["channel", 2, 4, 6, 32])
 def test_the_int4_streaming_kernel_equals_the_portable_path(rows, k, n, block, path_restored):
-    """Below the GEMM: nibbles + 8 as unsigned bytes into vpmaddubsw, corrected by 8 * sum(x); the
-    largest pair sums (x = -128 with nibbles -8 and 7) must neither saturate nor round."""
+    """Below the GEMM: nibbles + 8 as unsigned bytes into vpmaddubsw (AVX2) or vpdpbusd (VNNI: quads
+    of K rows, so blocks of 4 rows are the shortest it takes; 2 and 6 go to AVX2), corrected by 8 *
+    sum(x); the largest sums (x = -128 with nibbles -8 and 7) must neither saturate nor round."""
     block = k if block == "channel" else block
     rng = np.random.default_rng(k * n + block + 2)
     x = rng.choice(np.array([-128, 127, -1, 0], np.int8), (rows, k))

@@ -40,7 +40,7 @@ __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "pa
 #: Set to 1 to leave the kernels out (as on a machine without a compiler).
 DISABLE_ENV = "AUTOPOLICY_DISABLE_CPU_KERNELS"
 #: The instruction-set paths, best first.
-PATHS = ("avx2", "portable")
+PATHS = ("avx512_vnni", "avx2", "portable")
 _INT8_TARGET, _INT4_TARGET = "autopolicy_int8_matmul", "autopolicy_int4_matmul"
 _INT8_DENSE, _INT4_DENSE = "autopolicy_int8_dense", "autopolicy_int4_dense"
 #: The float dtypes :func:`int8_dense` and :func:`int4_dense` take and return.
@@ -104,7 +104,7 @@ def _lib() -> ctypes.CDLL:
 
 
 def path() -> str:
-    """The instruction-set path the kernels run (``"avx2"`` or ``"portable"``)."""
+    """The instruction-set path the kernels run (``"avx512_vnni"``, ``"avx2"`` or ``"portable"``)."""
     return _lib().autopolicy_cpu_path().decode()
 
 

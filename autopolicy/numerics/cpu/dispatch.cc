@@ -12,6 +12,8 @@ namespace {
 const Path kPortable{"portable", int8_portable, int4_portable, nullptr, nullptr};
 #if defined(__x86_64__)
 const Path kAvx2{"avx2", int8_avx2, int4_avx2, int8_gemm_avx2, int4_gemm_avx2};
+// The streaming kernels on vpdpbusd; many rows still take the AVX2 GEMM (see gemm_min_rows).
+const Path kAvx512Vnni{"avx512_vnni", int8_vnni, int4_vnni, int8_gemm_avx2, int4_gemm_avx2};
 #endif
 
 bool cpu_has(const char* name) {
@@ -21,6 +23,9 @@ bool cpu_has(const char* name) {
   if (std::strcmp(name, "portable") == 0) return true;
 #if defined(__x86_64__)
   if (std::strcmp(name, "avx2") == 0) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (std::strcmp(name, "avx512_vnni") == 0)
+    return cpu_has("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
 #endif
   return false;
 }
@@ -29,6 +34,7 @@ const Path* by_name(const char* name) {
   if (std::strcmp(name, "portable") == 0) return &kPortable;
 #if defined(__x86_64__)
   if (std::strcmp(name, "avx2") == 0) return &kAvx2;
+  if (std::strcmp(name, "avx512_vnni") == 0) return &kAvx512Vnni;
 #endif
   return nullptr;
 }
@@ -39,8 +45,11 @@ const Path* best() {
     const Path* path = by_name(forced);
     if (path != nullptr && cpu_has(forced)) return path;
   }
-  const Path* path = by_name("avx2");
-  return path != nullptr && cpu_has("avx2") ? path : &kPortable;
+  for (const char* name : {"avx512_vnni", "avx2"}) {
+    const Path* path = by_name(name);
+    if (path != nullptr && cpu_has(name)) return path;
+  }
+  return &kPortable;
 }
 
 const Path* g_path = nullptr;

@@ -74,7 +74,7 @@ void parallel_columns(const Runner& run_on, int64_t n, int64_t min_chunk, Body b
     return;
   }
   int64_t step = (n + chunks - 1) / chunks;
-  step = (step + 31) / 32 * 32;  // whole SIMD chunks (32 columns: the int4 kernel's)
+  step = (step + 63) / 64 * 64;  // whole SIMD chunks (64 columns: the VNNI kernels')
   chunks = (n + step - 1) / step;
   parallel_tasks(run_on, chunks, [=](int64_t c) { body(c * step, std::min(n, (c + 1) * step)); });
 }

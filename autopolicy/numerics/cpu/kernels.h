@@ -110,10 +110,17 @@ void int8_avx2(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n
 void int4_avx2(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                const float* scale, int64_t n0, int64_t n1, float* out);
 
+// AVX512-VNNI (vpdpbusd on quads of K rows: the weights offset to unsigned bytes, the offset's
+// share subtracted per row; gemv_vnni.cc). Columns past the last whole 64 go to the AVX2 kernels.
+void int8_vnni(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1,
+               int32_t* acc);
+void int4_vnni(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+               const float* scale, int64_t n0, int64_t n1, float* out);
+
 // The path this process uses: the best one the CPU supports, or the one AUTOPOLICY_CPU_PATH
 // names (for tests), or the one set by set_path.
 const Path& current_path();
-// Sets the path by name ("portable", "avx2"); returns false when unknown or unsupported here.
+// Sets the path by name ("portable", "avx2", "avx512_vnni"); returns false when unknown or unsupported here.
 bool set_path(const char* name);
 // Whether the CPU supports a path by name.
 bool path_supported(const char* name);
