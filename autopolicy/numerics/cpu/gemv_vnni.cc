@@ -162,6 +162,9 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
       const bool first = jg == j0, last = jg + 2 * kQuads >= j1;
       const uint8_t* rows[2 * kQuads];
       for (int j = 0; j < 2 * kQuads; ++j) rows[j] = jg + j < j1 ? w + (jg + j) * n : w;  // x is 0 there
+      // The next pass's rows (the next block's, after the last), fetched while this one runs:
+      // a thread's share of a row can be too short for the hardware prefetchers to pick up.
+      const uint8_t* ahead = jg + 4 * kQuads <= pairs ? w + (jg + 2 * kQuads) * n : nullptr;
       // Byte rows j, j + 1 are K rows 2j .. 2j + 3: quad j / 2 (j0 is even: blocks are a multiple of 4).
       int32_t xw[kQuads][R];
       for (int u = 0; u < kQuads; ++u)
@@ -171,6 +174,8 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < 4; ++t)
             s[r][t] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(sums + r * width + (c - n0) + 16 * t);
+        if (ahead != nullptr)
+          for (int j = 0; j < 2 * kQuads; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * n + c), _MM_HINT_T0);
         for (int u = 0; u < kQuads; ++u) {
           const __m512i a = _mm512_xor_si512(_mm512_loadu_si512(rows[2 * u] + c), flip);
           const __m512i b = _mm512_xor_si512(_mm512_loadu_si512(rows[2 * u + 1] + c), flip);
