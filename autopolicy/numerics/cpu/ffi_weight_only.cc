@@ -21,7 +21,9 @@ namespace autopolicy_cpu {
 
 WeightOnlyFn weight_only_kernel() {
 #if defined(__x86_64__)
-  if (std::strcmp(current_path().name, "avx2") == 0) return weight_only_avx2;
+  const char* path = current_path().name;
+  if (std::strcmp(path, "avx512_vnni") == 0) return weight_only_avx512;
+  if (std::strcmp(path, "avx2") == 0) return weight_only_avx2;
 #endif
   return weight_only_portable;
 }

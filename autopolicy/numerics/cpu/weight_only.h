@@ -42,6 +42,8 @@ void weight_only_portable(const WeightOnlyArgs& a, int64_t n0, int64_t n1);
 // on every path (act-order models are rare, and this still reads the stored bytes only once).
 void weight_only_any_groups(const WeightOnlyArgs& a, const int32_t* group_of, int64_t n0, int64_t n1);
 void weight_only_avx2(const WeightOnlyArgs& a, int64_t n0, int64_t n1);
+// The same on 16 lanes (AVX-512 F/BW/VL), for the avx512_vnni path's CPUs.
+void weight_only_avx512(const WeightOnlyArgs& a, int64_t n0, int64_t n1);
 
 // The kernel of the path in use (current_path() of kernels.h).
 WeightOnlyFn weight_only_kernel();
