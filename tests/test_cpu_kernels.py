@@ -410,6 +410,8 @@ def test_the_device_command_names_the_cpu_and_kernels(capsys):
     expected = (f"cpu kernels: built ({os.path.basename(cpu_kernels.library_path())}); paths this CPU runs: "
                 if cpu_kernels.AVAILABLE else "cpu kernels: not available (")
     assert out[3].startswith(expected)
+    if cpu_weight_only.AVAILABLE:  # then one more line: the weight-only kernel's variant
+        assert out.pop(4) == f"weight-only (GPTQ/AWQ) kernel: {cpu_weight_only.variant()} variant"
     assert out[5].startswith("int4 kernels timed by the search here: xla") and "(default without a measurement: xla)" in out[5]
     ffi = ", cpu_ffi" if cpu_weight_only.AVAILABLE and jax.device_count() == 1 else ""
     assert out[7] == f"gptq kernels timed by the search here: xla{ffi} (default without a measurement: xla)"

@@ -121,6 +121,14 @@ def test_the_kernel_matches_xla_at_the_grid_extremes_and_outlier_inputs(path, bi
 
 
 @needs_kernel
+@pytest.mark.parametrize("path", PATHS)
+def test_each_path_runs_its_own_weight_only_variant(path, path_restored):
+    # A path the variant table misses falls to the portable loop (10x slower), silently.
+    cpu_kernels.set_path(path)
+    assert cpu_weight_only.variant() == {"avx512_vnni": "avx512", "avx2": "avx2", "portable": "portable"}[path]
+
+
+@needs_kernel
 def test_the_simd_path_equals_the_portable_one_within_rounding(path_restored):
     weights, q, zero, scale = _weights(45, 576, 4, 32, seed=11, awq=True)
     x = _inputs(3, 576, seed=12)

@@ -14,7 +14,7 @@ def device_report() -> str:
     import jax  # pylint: disable=import-outside-toplevel
     import jaxlib  # pylint: disable=import-outside-toplevel
 
-    from autopolicy.numerics import cpu_kernels, kernels  # pylint: disable=import-outside-toplevel
+    from autopolicy.numerics import cpu_kernels, cpu_weight_only, kernels  # pylint: disable=import-outside-toplevel
     from autopolicy.numerics.device import current_device, read_cpuinfo  # pylint: disable=import-outside-toplevel
 
     device = current_device()
@@ -28,6 +28,8 @@ def device_report() -> str:
     if cpu_kernels.AVAILABLE:
         lines.append(f"cpu kernels: built ({os.path.basename(cpu_kernels.library_path())}); paths this CPU "
                      f"runs: {', '.join(cpu_kernels.supported_paths())}; in use: {cpu_kernels.path()}")
+        if cpu_weight_only.AVAILABLE:
+            lines.append(f"weight-only (GPTQ/AWQ) kernel: {cpu_weight_only.variant()} variant")
     else:
         lines.append(f"cpu kernels: not available ({cpu_kernels.unavailable_reason()}): XLA kernels only")
     for mode in ("int8", "int4", "float8", "gptq", "awq"):

@@ -39,8 +39,8 @@ import numpy as np
 from autopolicy.numerics import _int8_accumulate, _sharding, cpu_kernels, weight_only
 from autopolicy.numerics.device import Device
 
-__all__ = ["AVAILABLE", "WEIGHT_ONLY_KERNELS", "unavailable_reason", "kernel_available", "weight_only_matmul",
-           "einsum_kernel"]
+__all__ = ["AVAILABLE", "WEIGHT_ONLY_KERNELS", "unavailable_reason", "variant", "kernel_available",
+           "weight_only_matmul", "einsum_kernel"]
 
 #: The kernels of the GPTQ and AWQ modes: ``"xla"`` (dequantize, then XLA's float product) and
 #: ``"cpu_ffi"`` (this module).
@@ -68,6 +68,20 @@ AVAILABLE = _register() is None
 def unavailable_reason() -> str | None:
     """Why the weight-only kernel is not available, or None when it is."""
     return _register()
+
+
+#: The weight-only kernel's variant on each instruction-set path of :mod:`cpu_kernels`.
+VARIANTS = {"avx512_vnni": "avx512", "avx2": "avx2", "portable": "portable"}
+
+
+def variant() -> str:
+    """The variant of the weight-only kernel that runs (``"avx512"``, ``"avx2"`` or ``"portable"``:
+    :data:`VARIANTS` of the path in use); raises RuntimeError when the kernel is not available."""
+    if not AVAILABLE:
+        raise RuntimeError(f"the weight-only CPU kernel is not available: {unavailable_reason()}")
+    fn = ctypes.CDLL(cpu_kernels.library_path()).autopolicy_cpu_weight_only_variant
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
 
 
 def kernel_available(kernel: str, device: Device) -> bool:

@@ -139,3 +139,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyWeightOnlyMatmul, autopolicy_cpu::Weight
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// For ctypes: the variant of the weight-only kernel the current path runs.
+extern "C" const char* autopolicy_cpu_weight_only_variant() {
+#if defined(__x86_64__)
+  const autopolicy_cpu::WeightOnlyFn fn = autopolicy_cpu::weight_only_kernel();
+  if (fn == autopolicy_cpu::weight_only_avx512) return "avx512";
+  if (fn == autopolicy_cpu::weight_only_avx2) return "avx2";
+#endif
+  return "portable";
+}
