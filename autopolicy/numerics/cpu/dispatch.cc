@@ -62,11 +62,13 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 constexpr int64_t kInt4GemmMinRows = kNever;
 int64_t g_gemm_min_rows[2] = {-1, -1};  // int8, int4; -1: not read yet
 
-// experiments/bench_cpu_serial.py on the shared 2-core AVX2 EPYC (loads 5 and 10; it was never
-// quiet): serial faster than split at batch 1 for every SmolLM2 block layer (up to 1536 x 576
-// int8, 864 KiB: 0.74-0.82x the split's time), mixed from 2 MiB (0.78-1.40x); above 1 MiB the
-// second core's bandwidth is left to pay on a quiet machine.
-constexpr int64_t kSerialMaxBytes = 1024 * 1024;
+// Measured twice, with different answers: experiments/bench_cpu_serial.py on the shared 2-core
+// AVX2 EPYC at loads 5 and 10 (never quiet) found serial faster at batch 1 for every SmolLM2
+// block layer (up to 864 KiB); SmolLM2-135M's int8 decode step on a quiet 2-core Xeon
+// (AVX512-VNNI) took 17.9 ms with 1 MiB, 15.2-15.5 ms with 500 KB, 14.6-15.6 ms with 200 KB and
+// 13.9-15.1 ms with 64 KiB. A quiet machine is the one to tune for (a loaded one times nothing
+// reliably): 64 KiB, below which a call is a few microseconds of work.
+constexpr int64_t kSerialMaxBytes = 64 * 1024;
 int64_t g_serial_max_bytes = -2;  // -2: not read yet
 
 }  // namespace

@@ -30,11 +30,6 @@ WeightOnlyFn weight_only_kernel() {
 
 namespace {
 
-// Below this many weight bytes a call stays on the calling thread. Measured at 576 x 1536, 4-bit
-// (442 KB), batch 1, groups of 32 and 128, two interleaved runs at load 10 on the 2-core EPYC:
-// one thread 141-150 and 97-129 us, split over the pool 192-867 and 142-556 us (a helper that
-// is descheduled mid-part holds the call up); at 4096 x 4096 the two were within the noise.
-constexpr int64_t kThreadedMinBytes = 1024 * 1024;
 // Output rows per task (even: a packed byte row is never split).
 constexpr int64_t kRowsPerTask = 64;
 
@@ -115,7 +110,8 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   };
   const int64_t parts = (n + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t threads = std::min<int64_t>(parts, std::max<int64_t>(1, pool.num_threads()));
-  if (rows * k < kThreadedMinBytes || threads <= 1) {
+  // Small calls stay on the calling thread (serial_max_bytes(), shared with the integer kernels).
+  if (m * rows * k <= serial_max_bytes() || threads <= 1) {
     kernel(args, 0, n);
     return ffi::Error::Success();
   }
