@@ -62,13 +62,14 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 constexpr int64_t kInt4GemmMinRows = kNever;
 int64_t g_gemm_min_rows[2] = {-1, -1};  // int8, int4; -1: not read yet
 
-// Measured twice, with different answers: experiments/bench_cpu_serial.py on the shared 2-core
-// AVX2 EPYC at loads 5 and 10 (never quiet) found serial faster at batch 1 for every SmolLM2
-// block layer (up to 864 KiB); SmolLM2-135M's int8 decode step on a quiet 2-core Xeon
-// (AVX512-VNNI) took 17.9 ms with 1 MiB, 15.2-15.5 ms with 500 KB, 14.6-15.6 ms with 200 KB and
-// 13.9-15.1 ms with 64 KiB. A quiet machine is the one to tune for (a loaded one times nothing
-// reliably): 64 KiB, below which a call is a few microseconds of work.
-constexpr int64_t kSerialMaxBytes = 64 * 1024;
+// Measured on two machines with different answers. experiments/bench_cpu_serial.py (a chain of
+// calls on their own copies of the weights, as a decoder runs them) on the shared 2-core AVX2
+// EPYC at loads 5 and 10 (never quiet) found serial faster for every SmolLM2 block layer, up to
+// 864 KiB; on a quiet 2-core Xeon (AVX512-VNNI) serial/split was 0.72-0.73 at 54-108 KiB, 0.99
+// and 1.16 at 162 and 324 KiB, 1.12-1.32 at 432-864 KiB, and SmolLM2-135M's int8 decode step ran
+// 1.15-1.16x faster split from 64 or 256 KiB than from 1 MiB (int4/128: within the noise). A
+// quiet machine is the one to tune for (a loaded one times nothing reliably): 128 KiB.
+constexpr int64_t kSerialMaxBytes = 128 * 1024;
 int64_t g_serial_max_bytes = -2;  // -2: not read yet
 
 }  // namespace
