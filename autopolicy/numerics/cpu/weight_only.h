@@ -45,6 +45,25 @@ void weight_only_avx2(const WeightOnlyArgs& a, int64_t n0, int64_t n1);
 // The same on 16 lanes (AVX-512 F/BW/VL), for the avx512_vnni path's CPUs.
 void weight_only_avx512(const WeightOnlyArgs& a, int64_t n0, int64_t n1);
 
+// The rows a SIMD pass computes: output rows [row, row + count) of R (rows past `count` repeat
+// the last one, unstored), each with its bytes (packed: its pair's byte row) and its scales.
+template <int R>
+struct PassRows {
+  const uint8_t* src[R];
+  const float* scale[R];
+  int64_t rows[R];
+
+  PassRows(const WeightOnlyArgs& a, int64_t row, int64_t count) {
+    const int64_t groups = (a.k + a.group - 1) / a.group;
+    for (int j = 0; j < R; ++j) {
+      rows[j] = row + (j < count - 1 ? j : count - 1);
+      const int64_t pair = j / 2 < (count - 1) / 2 ? j / 2 : (count - 1) / 2;
+      src[j] = a.bits == 4 ? a.q + (row / 2 + pair) * a.k : a.q + rows[j] * a.k;
+      scale[j] = a.scale + rows[j] * groups;
+    }
+  }
+};
+
 // The kernel of the path in use (current_path() of kernels.h).
 WeightOnlyFn weight_only_kernel();
 

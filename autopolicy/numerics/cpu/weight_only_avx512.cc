@@ -51,14 +51,10 @@ template <int M, int P, bool kPacked>
 void row_block(const WeightOnlyArgs& a, int64_t m0, int64_t row, int64_t count) {
   constexpr int R = 2 * P;
   const int64_t k = a.k, groups = (k + a.group - 1) / a.group;
-  const uint8_t* src[R];  // each row's bytes (packed: its pair's byte row)
-  const float* scale[R];
-  int64_t rows[R];
-  for (int j = 0; j < R; ++j) {
-    rows[j] = row + std::min<int64_t>(j, count - 1);
-    src[j] = kPacked ? a.q + (row / 2 + std::min<int64_t>(j / 2, (count - 1) / 2)) * k : a.q + rows[j] * k;
-    scale[j] = a.scale + rows[j] * groups;
-  }
+  const PassRows<R> pass(a, row, count);
+  const uint8_t* const* src = pass.src;
+  const float* const* scale = pass.scale;
+  const int64_t* rows = pass.rows;
   const float* x = a.x + m0 * k;
   const __m512i low = _mm512_set1_epi32(0x0F);
   __m512 acc[M][R];
