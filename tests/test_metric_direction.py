@@ -204,10 +204,16 @@ def test_a_memory_budget_forces_a_slower_policy_on_exactly_the_layer_it_must(hig
 def test_the_memory_budget_binds_with_the_accuracy_budget():
     # bfloat16 on w1 would fit the memory but breaks the loss budget: no map within both exists
     # once w2 alone cannot make the bytes, so the tune says so.
-    with pytest.raises(ValueError, match="No configuration can be chosen: float32 is over the memory budget"):
+    with pytest.raises(ValueError, match="No configuration can be chosen: float32 is over the memory budget") as e:
         search.tune(TwoMatmuls(PARAMS), loss, X, candidates=["float32", "mixed_bfloat16", "bfloat16"],
                     max_drop=0.1, higher_is_better=False, memory_budget=2 * W1 + 4 * W2,
                     adapter=SlowBfloat16Adapter, **QUICK)
+    # ... and names how far off the budgets the nearest evaluated configurations were.
+    message = str(e.value)
+    assert (f"Closest evaluated (metric limit 1.1, memory budget {2 * W1 + 4 * W2:,} bytes): uniform bfloat16: "
+            f"metric 1.45") in message
+    assert f", {2 * (W1 + W2):,} bytes (over the accuracy budget)" in message
+    assert message.endswith("Allow a larger max_drop or memory budget.")
 
 
 def test_a_memory_budget_below_the_all_lowest_model_names_the_least_bytes():

@@ -195,8 +195,27 @@ def _challenge(ctx: Context, e2e: EndToEnd, challenger: Configuration, incumbent
     return speedup
 
 
+def _closest(ctx: Context, considered: list[Configuration]) -> str:
+    """The configurations evaluated, nearest the accuracy limit first (at most three), each with
+    its metric and weight bytes against the two budgets: how far off the budgets are."""
+    scored = [c for c in considered if c.metric is not None and math.isfinite(c.metric)]
+    if not scored:
+        return ""
+    limit = ctx.budget.limit_metric
+    scored.sort(key=lambda c: abs(c.metric - limit))
+    parts = []
+    for c in scored[:3]:
+        why = c.excluded or ("within the accuracy budget" if c.meets_budget else "over the accuracy budget")
+        size = "" if c.nbytes is None else f", {int(c.nbytes):,} bytes"
+        parts.append(f"{c.name}: metric {c.metric:.6g}{size} ({why})")
+    memory = "" if ctx.budget.memory_budget is None else f", memory budget {int(ctx.budget.memory_budget):,} bytes"
+    return (f" Closest evaluated (metric limit {limit:.6g}{memory}): " + "; ".join(parts) +
+            ". Allow a larger max_drop or memory budget.")
+
+
 def decide(ctx: Context, e2e: EndToEnd, float32: Configuration,
-           contenders: list[Configuration]) -> tuple[Configuration, list[str]]:
+           contenders: list[Configuration],
+           considered: list[Configuration] | None = None) -> tuple[Configuration, list[str]]:
     """Float32 unless a configuration is faster by the margin with confidence.
 
     Uniform policies challenge first (fastest first), then maps challenge the incumbent: a map
@@ -207,7 +226,7 @@ def decide(ctx: Context, e2e: EndToEnd, float32: Configuration,
     if float32.excluded:
         if not contenders:
             raise ValueError(f"No configuration can be chosen: float32 is {float32.excluded}, and no other "
-                             "configuration within the accuracy budget fits.")
+                             "configuration within the accuracy budget fits." + _closest(ctx, considered or []))
         incumbent = min(contenders, key=lambda c: c.measured_latency_s)
         log.append(f"{float32.name} cannot be chosen ({float32.excluded}): {incumbent.name}, the fastest "
                    "configuration that can, is the incumbent")
@@ -287,7 +306,7 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
     if winner is not None:
         log = cached["log"]
     else:
-        winner, log = decide(ctx, e2e, timed_uniforms[0], contenders)
+        winner, log = decide(ctx, e2e, timed_uniforms[0], contenders, tried + timed_uniforms[1:])
         e2e.persist(group)
         ctx.cache.put(decision_key, {"winner": winner.name, "log": log}, share=True)
         ctx.cache.flush()
