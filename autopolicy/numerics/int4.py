@@ -240,8 +240,12 @@ def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel
         block = k if block_size == PER_CHANNEL else block_size
         y = cpu_kernels.int4_matmul(xq.astype(jnp.int8), packed, scale.astype(jnp.float32), block)
         return (y * x_scale).astype(compute_dtype), (x, packed, scale, colsum)
-    # The u8 x s8 dot only where it is fast (VNNI/AMX), as int8's default kernel.
-    u8 = jax.default_backend() == "cpu" and _int8_accumulate.default_int8_kernel() == "u8s8"
+    # The u8 x s8 dot only where it is fast (VNNI/AMX), as int8's default kernel, and on one
+    # device: its blocks slice the column sums and the custom dot does not propagate shardings
+    # (on a mesh it failed on a K-sharded kernel and added all-gathers), so several devices take
+    # the sharding-aware s8 x s8 path, as the FFI kernels do.
+    u8 = (jax.default_backend() == "cpu" and jax.device_count() == 1
+          and _int8_accumulate.default_int8_kernel() == "u8s8")
     if u8:
         xin = (xq + 128.0).astype(jnp.uint8)
         if rows == 1:  # YNNPACK's kernel needs two rows; a copy costs less than the slow path.
