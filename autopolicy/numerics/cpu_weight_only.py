@@ -70,13 +70,10 @@ def unavailable_reason() -> str | None:
     return _register()
 
 
-#: The weight-only kernel's variant on each instruction-set path of :mod:`cpu_kernels`.
-VARIANTS = {"avx512_vnni": "avx512", "avx2": "avx2", "portable": "portable"}
-
-
 def variant() -> str:
-    """The variant of the weight-only kernel that runs (``"avx512"``, ``"avx2"`` or ``"portable"``:
-    :data:`VARIANTS` of the path in use); raises RuntimeError when the kernel is not available."""
+    """The variant of the weight-only kernel that runs: ``"avx512"``, ``"avx2"`` or ``"portable"``
+    (the one in the dispatch table's entry of the path in use); raises RuntimeError when the
+    kernel is not available."""
     if not AVAILABLE:
         raise RuntimeError(f"the weight-only CPU kernel is not available: {unavailable_reason()}")
     fn = ctypes.CDLL(cpu_kernels.library_path()).autopolicy_cpu_weight_only_variant

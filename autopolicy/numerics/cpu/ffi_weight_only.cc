@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -19,14 +18,7 @@ namespace ffi = xla::ffi;
 
 namespace autopolicy_cpu {
 
-WeightOnlyFn weight_only_kernel() {
-#if defined(__x86_64__)
-  const char* path = current_path().name;
-  if (std::strcmp(path, "avx512_vnni") == 0) return weight_only_avx512;
-  if (std::strcmp(path, "avx2") == 0) return weight_only_avx2;
-#endif
-  return weight_only_portable;
-}
+WeightOnlyFn weight_only_kernel() { return current_path().weight_only; }
 
 namespace {
 

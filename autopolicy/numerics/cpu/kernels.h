@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "weight_only.h"
+
 namespace autopolicy_cpu {
 
 using Int8Fn = void (*)(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0,
@@ -42,6 +44,7 @@ struct Path {
   Int4Fn int4;
   Int8GemmFn int8_gemm;  // null: the path has none (its int8/int4 kernels serve every M)
   Int4GemmFn int4_gemm;
+  WeightOnlyFn weight_only;  // the GPTQ/AWQ product (weight_only.h) this path's CPUs run
 };
 
 // x (m, k) as kGemmRows-row panels of K pairs, each pair (x[2p], x[2p + 1]) one int32 word of two

@@ -64,7 +64,7 @@ struct PassRows {
   }
 };
 
-// The kernel of the path in use (current_path() of kernels.h).
+// The kernel of the path in use (current_path().weight_only, kernels.h's dispatch table).
 WeightOnlyFn weight_only_kernel();
 
 }  // namespace autopolicy_cpu
