@@ -166,7 +166,13 @@ def test_prefill_then_decode_steps_equal_the_full_forward(small):
         step, cache = generation.decode_step(small, cache, ids[:, t], jnp.asarray(t, jnp.int32))
         np.testing.assert_allclose(np.asarray(step), full[:, t], rtol=1e-5, atol=1e-5)
     assert generation.decode_step._cache_size() - before <= 1  # compiled once for all positions
-    assert cache[0][0].shape == (1, 16, 2, 4) and float(jnp.abs(cache[0][0][:, 9:]).max()) == 0.0
+    keys, values = cache[0]
+    assert keys.shape == (1, 2, 4, 16) and values.shape == (1, 2, 16, 4)
+    assert float(jnp.abs(keys[..., :9]).min(axis=(0, 1, 2)).max()) > 0  # every position written ...
+    assert float(jnp.abs(keys[..., 9:]).max()) == 0.0 and float(jnp.abs(values[:, :, 9:]).max()) == 0.0  # ... and no other
+    with pytest.raises(ValueError, match=r"keys \(batch, kv_heads, head_dim, max_length\) = \(1, 2, 4, max_length\)"
+                                         r".*Received \(1, 16, 2, 4\) and \(1, 16, 2, 4\)"):
+        small(ids[:, :1], start=jnp.asarray(0), cache=tuple((v.swapaxes(1, 2), v.swapaxes(1, 2)) for _, v in cache))
 
 
 def test_layer_paths_head_and_embedding_separate_and_policies_apply(small):
@@ -359,9 +365,9 @@ def test_smollm2_experiment_times_a_decode_step_and_scores_perplexity_lower_is_b
     exp = smollm2.build(None)
     assert (exp.name, exp.max_drop, exp.relative, exp.higher_is_better) == ("smollm2", 0.02, True, False)
     token, start, cache = exp.sample_input
-    assert token.shape == (1, 1) and int(start) == 255 and len(cache) == 30 and cache[0][0].shape == (1, 256, 3, 64)
+    assert token.shape == (1, 1) and int(start) == 255 and len(cache) == 30 and cache[0][0].shape == (1, 3, 64, 256) and cache[0][1].shape == (1, 3, 256, 64)
     logits, new_cache = exp.model(*(jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in exp.sample_input))
-    assert logits.shape == (1, 1, 49152) and float(jnp.abs(new_cache[0][0][0, 255]).max()) > 0
+    assert logits.shape == (1, 1, 49152) and float(jnp.abs(new_cache[0][0][0, :, :, 255]).max()) > 0
     (calibration,) = exp.calibration_inputs[0]
     assert calibration.shape == (4, 128)
     metric = exp.eval_fn(exp.model)
@@ -377,10 +383,10 @@ def test_a_decode_step_attends_like_the_full_causal_pass(dtype, tol):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, 16)).astype(np.float32))
     att = LlamaAttention(heads=4, kv_heads=2, head_dim=8, dtype=dtype).build(jax.random.key(1), x)
     full = att(x)
-    cache = (jnp.zeros((2, 9, 2, 8)), jnp.full((2, 9, 2, 8), 5.0))  # rows past the step must not count
+    cache = (jnp.zeros((2, 2, 8, 9)), jnp.full((2, 2, 9, 8), 5.0))  # rows past the step must not count
     _, cache = att(x[:, :5], start=jnp.asarray(0, jnp.int32), cache=cache)
     step, cache = att(x[:, 5:6], start=jnp.asarray(5, jnp.int32), cache=cache)
     assert step.shape == (2, 1, 16) and step.dtype == full.dtype
     np.testing.assert_allclose(np.asarray(step[:, 0], np.float32), np.asarray(full[:, 5], np.float32), rtol=tol,
                                atol=tol)
-    assert float(jnp.abs(cache[1][:, 6:] - 5.0).max()) == 0.0
+    assert float(jnp.abs(cache[1][:, :, 6:] - 5.0).max()) == 0.0 and float(jnp.abs(cache[0][..., 6:]).max()) == 0.0

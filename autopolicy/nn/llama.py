@@ -3,8 +3,8 @@ SwiGLU feed-forward, RMSNorm, and an input embedding tied to the output head.
 
 Every projection is a :class:`~autopolicy.nn.Dense` or :class:`~autopolicy.nn.EinsumDense`, so
 each takes its own policy (int8, int4, float8, ...). The key/value cache is not part of the model:
-it is a tuple of ``(keys, values)`` per block, each ``(batch, max_length, kv_heads, head_dim)``,
-passed in and returned, so one compiled decode step serves every position.
+it is a tuple of ``(keys, values)`` per block, keys ``(batch, kv_heads, head_dim, max_length)`` and
+values ``(batch, kv_heads, max_length, head_dim)``, passed in and returned, so one compiled decode step serves every position.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ class LlamaAttention(Module):
     ``attention_output``. Call as ``attention(x, start=None, cache=None)``:
 
     - without a cache, ``x`` (``(batch, time, dim)``) attends causally to itself from position 0;
-    - with ``cache=(keys, values)`` (``(batch, max_length, kv_heads, head_dim)``) and ``start`` (an
+    - with ``cache=(keys, values)`` (keys ``(batch, kv_heads, head_dim, max_length)``, values
+      ``(batch, kv_heads, max_length, head_dim)``) and ``start`` (an
       int32 scalar), the keys and values of ``x`` are written at positions
       ``start .. start + time - 1`` and each query attends to every cached position up to its
       own: a prefill (``start=0``, the prompt) and a decode step (``time=1``) are the same call.
@@ -158,28 +159,44 @@ class LlamaAttention(Module):
         q = rotary(self.query(x), positions, self.rope_base)
         k = rotary(self.key(x), positions, self.rope_base)
         v = self.value(x)
+        # Keys are kept (batch, kv_heads, head_dim, length) and values (batch, kv_heads, length,
+        # head_dim): the layouts XLA's CPU dots take as they are. In the (batch, length, kv_heads,
+        # head_dim) layout both caches were copied transposed in every block at every decode step.
         if cache is None:
-            keys, values, key_positions = k, v, positions
+            keys, values, key_positions = k.transpose(0, 2, 3, 1), v.swapaxes(1, 2), positions
         else:
             cached_k, cached_v = cache
-            if cached_k.shape[0] != batch or cached_k.shape[2:] != (self.kv_heads, self.head_dim):
+            length = cached_k.shape[-1] if cached_k.ndim == 4 else None
+            if (cached_k.shape != (batch, self.kv_heads, self.head_dim, length)
+                    or cached_v.shape != (batch, self.kv_heads, length, self.head_dim)):
                 raise ValueError(
-                    f"{self.path!r}: the cache must be (batch, max_length, kv_heads, head_dim) = "
-                    f"({batch}, max_length, {self.kv_heads}, {self.head_dim}). Received {cached_k.shape}"
+                    f"{self.path!r}: the cache must be keys (batch, kv_heads, head_dim, max_length) = "
+                    f"({batch}, {self.kv_heads}, {self.head_dim}, max_length) and values (batch, kv_heads, "
+                    f"max_length, head_dim) = ({batch}, {self.kv_heads}, max_length, {self.head_dim}). "
+                    f"Received {cached_k.shape} and {cached_v.shape}"
                 )
-            at = (0, offset, 0, 0)
-            keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), at)
-            values = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), at)
-            key_positions = jnp.arange(keys.shape[1], dtype=jnp.int32)
+            keys = jax.lax.dynamic_update_slice(cached_k, k.transpose(0, 2, 3, 1).astype(cached_k.dtype),
+                                                (0, 0, 0, offset))
+            values = jax.lax.dynamic_update_slice(cached_v, v.swapaxes(1, 2).astype(cached_v.dtype),
+                                                  (0, 0, offset, 0))
+            key_positions = jnp.arange(length, dtype=jnp.int32)
         groups = self.heads // self.kv_heads
         q = q.reshape(batch, time, self.kv_heads, groups, self.head_dim)
         q = q * jnp.asarray(1.0 / math.sqrt(self.head_dim), q.dtype)
         kc, vc = keys.astype(q.dtype), values.astype(q.dtype)
-        logits = jnp.einsum("btkgd,bskd->bkgts", q, kc).astype(accumulation_dtype(q.dtype))
+        acc = accumulation_dtype(q.dtype)
+        logits = jnp.einsum("btkgd,bkds->bkgts", q, kc).astype(acc)
         allowed = key_positions[None, :] <= positions[:, None]
         logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
-        probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, vc).reshape(batch, time, self.heads, self.head_dim)
+        probs = jax.nn.softmax(logits, axis=-1)
+        if time == 1:
+            # A decode step's weighted sum of values as a product and a sum XLA fuses into one loop
+            # over the cache: as a dot, XLA copied the values transposed first.
+            out = jnp.sum(probs[..., None] * vc.astype(acc)[:, :, None, None, :, :], axis=-2)  # (b, k, g, 1, d)
+            out = out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
+        else:
+            out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(q.dtype), vc)
+        out = out.reshape(batch, time, self.heads, self.head_dim)
         out = self.attention_output(out)
         return out if cache is None else (out, (keys, values))
 
@@ -263,13 +280,15 @@ class LlamaDecoder(Module):
         self.head = Dense(config.vocab_size, use_bias=False, name="head")
 
     def init_cache(self, batch: int, max_length: int, dtype: Any = jnp.float32) -> tuple:
-        """An empty key/value cache: per block, zero ``(batch, max_length, kv_heads, head_dim)``
-        keys and values."""
+        """An empty key/value cache: per block, zero keys ``(batch, kv_heads, head_dim, max_length)``
+        and values ``(batch, kv_heads, max_length, head_dim)`` (the layouts the decode step's
+        products read in place)."""
         for arg, value in (("batch", batch), ("max_length", max_length)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg} must be a positive int. Received: {arg}={value!r}")
-        shape = (batch, max_length, self.config.kv_heads, self.config.head_dim)
-        return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks)
+        c = self.config
+        return tuple((jnp.zeros((batch, c.kv_heads, c.head_dim, max_length), dtype),
+                      jnp.zeros((batch, c.kv_heads, max_length, c.head_dim), dtype)) for _ in self.blocks)
 
     def call(self, ids: jax.Array, start: Any = None, cache: Any = None) -> Any:
         ids = jnp.asarray(ids)
