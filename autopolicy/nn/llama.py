@@ -160,8 +160,7 @@ class LlamaAttention(Module):
         k = rotary(self.key(x), positions, self.rope_base)
         v = self.value(x)
         # Keys are kept (batch, kv_heads, head_dim, length) and values (batch, kv_heads, length,
-        # head_dim): the layouts XLA's CPU dots take as they are. In the (batch, length, kv_heads,
-        # head_dim) layout both caches were copied transposed in every block at every decode step.
+        # head_dim): a decode step's sums below then run along rows of both.
         if cache is None:
             keys, values, key_positions = k.transpose(0, 2, 3, 1), v.swapaxes(1, 2), positions
         else:
@@ -185,13 +184,18 @@ class LlamaAttention(Module):
         q = q * jnp.asarray(1.0 / math.sqrt(self.head_dim), q.dtype)
         kc, vc = keys.astype(q.dtype), values.astype(q.dtype)
         acc = accumulation_dtype(q.dtype)
-        logits = jnp.einsum("btkgd,bkds->bkgts", q, kc).astype(acc)
+        if time == 1:
+            # A decode step: both products as an elementwise product and a sum, which XLA fuses into
+            # loops over the caches where they lie. As dots, XLA copied a cache transposed first
+            # (whichever layout it was kept in), in every block at every step.
+            qt = q.astype(acc).transpose(0, 2, 3, 1, 4)  # (b, k, g, 1, d)
+            logits = jnp.sum(qt[..., None] * kc.astype(acc)[:, :, None, None, :, :], axis=-2)
+        else:
+            logits = jnp.einsum("btkgd,bkds->bkgts", q, kc).astype(acc)
         allowed = key_positions[None, :] <= positions[:, None]
         logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)
         probs = jax.nn.softmax(logits, axis=-1)
         if time == 1:
-            # A decode step's weighted sum of values as a product and a sum XLA fuses into one loop
-            # over the cache: as a dot, XLA copied the values transposed first.
             out = jnp.sum(probs[..., None] * vc.astype(acc)[:, :, None, None, :, :], axis=-2)  # (b, k, g, 1, d)
             out = out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
         else:
