@@ -36,8 +36,8 @@ What ``autopolicy.search.tune`` lacks for this task (issue 24), worked around he
   changes is in ``reports/smollm2/first_order.md``, from ``experiments/bench_first_order.py``).
 - Weight-only candidates: GPTQ policies are calibrated per layer on its float inputs (the nn
   adapter), and run autopolicy's weight-only CPU kernel where the tuner times it faster; the
-  attention projections are EinsumDense layers, which have no GPTQ/AWQ form yet (float32, int8
-  or int4 for them).
+  attention projections (EinsumDense) take them too, calibrated and stored as the (K, N) matrix
+  of their product as Keras 3 does.
 """
 
 from __future__ import annotations

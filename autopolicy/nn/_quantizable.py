@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from autopolicy import policies
@@ -59,6 +60,16 @@ class QuantizableKernel(Module):
 
     def kernel_contract_axes(self) -> tuple[int, ...]:
         raise NotImplementedError
+
+    # --- the matrix-product form (GPTQ and AWQ calibrate and store a (K, N) kernel) -----------
+
+    def matmul_kernel(self, kernel: jax.Array) -> jax.Array:
+        """The float ``kernel`` as the ``(K, N)`` matrix of the product this layer runs."""
+        return kernel
+
+    def matmul_rows(self, x: jax.Array) -> jax.Array:
+        """An input ``x`` of this layer as the ``(rows, K)`` rows that multiply :meth:`matmul_kernel`."""
+        return x.reshape((-1, x.shape[-1]))
 
     # --- running ------------------------------------------------------------------------------
 

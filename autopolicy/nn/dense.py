@@ -7,10 +7,11 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from autopolicy.nn import activations, initializers
 from autopolicy.nn._quantizable import QuantizableKernel
-from autopolicy.numerics import _sharding
+from autopolicy.numerics import _sharding, weight_only
 
 __all__ = ["Dense", "EinsumDense"]
 
@@ -205,10 +206,60 @@ class EinsumDense(QuantizableKernel):
             shape = tuple(sizes[c] if c in self.bias_axes else 1 for c in out[first:])
             self.add_weight("bias", shape, self.bias_initializer)
 
+    def _product_letters(self) -> tuple[str, str]:
+        """``(summed, free)``: the kernel's letters that the product sums over and those it keeps,
+        each in the kernel's own order.
+
+        Raises:
+          ValueError: when the einsum is not one matrix product (a kernel letter that is also a
+            batch axis of the input and output).
+        """
+        lhs, kernel, out = _split(self.equation)
+        batch = [c for c in kernel if c in lhs and c in out]
+        if batch:
+            raise ValueError(
+                f"EinsumDense {self.path!r}: {self.dtype_policy.name!r} stores the kernel as one matrix, and "
+                f"{self.equation!r} is not one matrix product (kernel axes {batch} are batch axes of the input "
+                "and output). Use int8, int4 or float8 for this layer."
+            )
+        return ("".join(c for c in kernel if c in lhs and c not in out), "".join(c for c in kernel if c not in lhs))
+
+    def matmul_kernel(self, kernel: jax.Array) -> jax.Array:
+        _, letters, _ = _split(self.equation)
+        summed, free = self._product_letters()
+        k = kernel.transpose([letters.index(c) for c in summed + free])
+        return k.reshape((int(np.prod(k.shape[: len(summed)])), -1))
+
+    def _matmul_input(self, x: jax.Array) -> tuple[jax.Array, str, str]:
+        """``x`` transposed to (free letters, summed letters), with those letter strings."""
+        lhs, _, _ = _split(self._full_equation(x.ndim))
+        summed, _ = self._product_letters()
+        free_x = "".join(c for c in lhs if c not in summed)
+        return x.transpose([lhs.index(c) for c in free_x + summed]), free_x, summed
+
+    def matmul_rows(self, x: jax.Array) -> jax.Array:
+        x_t, _, summed = self._matmul_input(x)
+        return x_t.reshape((-1, int(np.prod(x_t.shape[x_t.ndim - len(summed):]))))
+
+    def _matmul_call(self, x: jax.Array, equation: str) -> jax.Array:
+        """GPTQ/AWQ: the product on the stored ``(K, N)`` kernel, its result put back in the
+        equation's output layout."""
+        x_t, free_x, summed = self._matmul_input(x)
+        _, free_k = self._product_letters()
+        rows = x_t.shape[: len(free_x)]
+        x2 = x_t.reshape((-1, int(np.prod(x_t.shape[len(free_x):]))))
+        y2 = self._quantized_kernel("mk,kn->mn", x2, compute_dtype=x.dtype)
+        sizes = dict(zip(_output_letters(self.equation, equation), self.output_shape))
+        y = y2.reshape(rows + tuple(sizes[c] for c in free_k))
+        out = _split(equation)[2]
+        return y.transpose([(free_x + free_k).index(c) for c in out])
+
     def call(self, x: jax.Array) -> jax.Array:
         equation = self._full_equation(x.ndim)
         if self._weights_mode is None:
             y = jnp.einsum(equation, x, self.kernel, out_sharding=_sharding.out_sharding(equation, x, self.kernel))
+        elif self._weights_mode in ("gptq", "awq") and weight_only.is_calibrated({"kernel_scale": self.kernel_scale}):
+            y = self._matmul_call(x, equation)
         else:
             y = self._quantized_kernel(equation, x, compute_dtype=x.dtype)
         if self.bias is not None:

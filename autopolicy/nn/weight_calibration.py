@@ -46,8 +46,7 @@ def _capture(model: Module, paths: tuple[str, ...], batches: list, stop: bool) -
     def hook(layer: Any, args: tuple, kwargs: dict) -> None:
         del kwargs
         if layer.path in seen:
-            x = jnp.asarray(args[0], jnp.float32)
-            seen[layer.path].append(x.reshape((-1, x.shape[-1])))
+            seen[layer.path].append(layer.matmul_rows(jnp.asarray(args[0], jnp.float32)))
             if layer.path not in order:
                 order.append(layer.path)
             if stop:
@@ -67,7 +66,7 @@ def _calibrated_layer(layer: Module, inputs: list[jax.Array], options: dict) -> 
     """A copy of ``layer`` holding its calibrated weights, and a note of what was chosen."""
     policy = layer.dtype_policy
     mode, bits, group_size = policy.quantization_mode, policy.weight_bits, policy.group_size
-    kernel = jnp.asarray(layer.kernel, jnp.float32)
+    kernel = layer.matmul_kernel(jnp.asarray(layer.kernel, jnp.float32))  # (K, N)
     note: dict[str, Any] = {"mode": mode, "rows": int(sum(x.shape[0] for x in inputs))}
     if mode == "gptq":
         hessian, count = None, 0
@@ -116,7 +115,9 @@ def calibrate_weights(
     ``with_dtype_policy``); until calibrated, running such a layer raises.
 
     Args:
-      model: A built model with ``gptq/...`` or ``awq/...`` policies on some Dense layers.
+      model: A built model with ``gptq/...`` or ``awq/...`` policies on some Dense or EinsumDense
+        layers (an EinsumDense kernel is calibrated and stored as the ``(K, N)`` matrix of its
+        product).
       batches: Inputs to call the model on (arrays, or tuples of positional arguments); a few
         hundred to a few thousand rows per layer.
       sequential: Calibrate each layer on the outputs of the already-quantized layers before it
@@ -193,9 +194,10 @@ def with_calibrated_placeholders(model: Module, paths: Iterable[str]) -> Module:
             raise ValueError(f"No layer {path!r} to hold calibrated weights; the model has {sorted(layers)}.")
         layer = layers[path]
         policy = layer.dtype_policy
-        if policy.quantization_mode not in ("gptq", "awq") or layer.kernel is None or layer.kernel.ndim != 2:
+        if policy.quantization_mode not in ("gptq", "awq") or layer.kernel is None or layer.kernel.ndim < 2:
             raise ValueError(f"{path!r} ({policy.name!r}) has no calibrated GPTQ/AWQ form.")
-        arrays = weight_only.placeholders(layer.kernel.shape, weight_only.layout_of(policy), layer.variable_dtype,
+        shape = layer.matmul_kernel(layer.kernel).shape
+        arrays = weight_only.placeholders(shape, weight_only.layout_of(policy), layer.variable_dtype,
                                           awq=policy.quantization_mode == "awq")
         new = layer._copy(mutable=True)
         for key, value in arrays.items():

@@ -207,8 +207,9 @@ def uncalibrated_weights(kernel: jax.Array, contract_axes: Sequence[int], op: st
                          scale_dtype: Any) -> dict[str, Any]:
     """The mode's quantizer before calibration: the float kernel stays, the state is empty."""
     del contract_axes, op, scale_dtype
-    if kernel.ndim != 2:
-        raise ValueError(f"{policy.quantization_mode} quantizes 2-D kernels (Dense). Received shape {kernel.shape}")
+    if kernel.ndim < 2:
+        raise ValueError(f"{policy.quantization_mode} quantizes kernels of 2 or more axes (Dense, EinsumDense). "
+                         f"Received shape {kernel.shape}")
     state = {"kernel_scale": None, "kernel_zero": None, "g_idx": None}
     if policy.quantization_mode == "awq":
         state["awq_scales"] = None

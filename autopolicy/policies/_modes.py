@@ -142,7 +142,7 @@ MODES: tuple[QuantizationMode, ...] = (
         "of inputs, set column by column with error feedback from calibration inputs; float inputs",
         # Keras 3.15's GPTQDTypePolicy: "gptq/<weight_bits>/<group_size>" (no plain "gptq" form).
         forms=(PolicyForm("gptq/<weight_bits>/<group_size>", "GPTQDTypePolicy", _QUANTIZED_KEYS, "gptq/4/128"),),
-        layer_kinds=("dense",),
+        layer_kinds=("dense", "einsum_dense"),
         color="#937860",
         calibrated=True,
     ),
@@ -151,7 +151,7 @@ MODES: tuple[QuantizationMode, ...] = (
         summary="weight-only AWQ: 4-bit weights, asymmetric scales and zero points per group, inputs "
         "channels scaled by a searched power of their mean magnitude; float inputs",
         forms=(PolicyForm("awq/<weight_bits>/<group_size>", "AWQDTypePolicy", _QUANTIZED_KEYS, "awq/4/128"),),
-        layer_kinds=("dense",),
+        layer_kinds=("dense", "einsum_dense"),
         color="#da8bc3",
         calibrated=True,
     ),
