@@ -390,3 +390,12 @@ def test_a_decode_step_attends_like_the_full_causal_pass(dtype, tol):
     np.testing.assert_allclose(np.asarray(step[:, 0], np.float32), np.asarray(full[:, 5], np.float32), rtol=tol,
                                atol=tol)
     assert float(jnp.abs(cache[1][:, :, 6:] - 5.0).max()) == 0.0 and float(jnp.abs(cache[0][..., 6:]).max()) == 0.0
+
+
+def test_the_tuner_keys_a_nested_sample_input_of_unlike_shapes_by_its_leaves(small):
+    """A decode step's sample input holds the cache: keys and values of unlike shapes."""
+    from autopolicy.search.tuner import _input_shape  # pylint: disable=import-outside-toplevel
+
+    cache = small.init_cache(1, 16)
+    assert _input_shape(cache) == [[1, 2, 4, 16], [1, 2, 16, 4]] * 2
+    assert _input_shape(np.zeros((1, 1), np.int32)) == [1, 1] and _input_shape(np.asarray(5)) == []

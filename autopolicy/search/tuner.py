@@ -8,9 +8,10 @@ import dataclasses
 import math
 import os
 import time
-
-import numpy as np
 from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import numpy as np
 
 from autopolicy import _json, _multihost, policies
 from autopolicy.search import (_checks, accuracy as accuracy_phase, executor as executor_mod, first_order, hardware,
@@ -81,6 +82,15 @@ def _batches(calibration_inputs: Iterable[Any] | None, args: tuple) -> list[tupl
     if not batches:
         raise ValueError("calibration_inputs must hold at least one batch (or be None for [sample_input]).")
     return batches
+
+
+
+def _input_shape(arg: Any) -> list:
+    """The shape of one sample-input argument, or of each leaf of a nested one (a language
+    model's key/value cache: a tuple of arrays of unlike shapes), for the timings' cache key."""
+    if isinstance(arg, (tuple, list, dict)):
+        return [list(np.shape(leaf)) for leaf in jax.tree_util.tree_leaves(arg)]
+    return list(np.shape(arg))
 
 
 def tune(
@@ -268,7 +278,7 @@ def tune(
             with phase("calibration"):
                 uniform_configs = verify.uniforms(ctx, latency, models)
                 e2e = EndToEnd(made, models, cache, fingerprint, key(ctx.digest, kernels),
-                               [list(np.shape(a)) for a in args])
+                               [_input_shape(a) for a in args])
                 # Half the repeats: enough medians for the latency model; decisions pair these
                 # rounds with the final ones (verify.choose).
                 e2e.time_group(uniform_configs, max(repeats // 2, 3), "calibration")
