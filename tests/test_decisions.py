@@ -363,3 +363,39 @@ def test_final_rounds_are_taken_in_steps_until_settled_and_cached(tmp_path):
     again._time = fake_time
     assert again.time_until(configs, 40, 10, lambda: False, "final") == group
     assert steps == [10, 10] and len(again.rounds) == 20 and again.from_cache  # no new timing
+
+
+def test_a_missed_map_shrinks_the_next_rounds_budget_by_predicted_over_observed(monkeypatch):
+    """Summed one-layer costs that ran 2x too low: each next round solves within half the budget
+    left before (the estimate's error applies to every layer it adds up), and the missed map's
+    layers carry its excess."""
+    from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+
+    from autopolicy.search import verify  # pylint: disable=import-outside-toplevel
+
+    budgets, inflations = [], []
+
+    def problem(latency, accuracy, budget, memory_budget, inflate, calibration):
+        budgets.append(budget)
+        inflations.append(dict(inflate))
+        return SimpleNamespace(layers=(), budget=budget, memory_budget=memory_budget)
+
+    class Solution:
+        accuracy_cost = 0.2
+
+        def __init__(self, i):
+            self.i = i
+
+        def policies(self, layers):
+            return {"dense": f"map {self.i}"}
+
+    rounds = iter(range(10))
+    monkeypatch.setattr(verify, "make_problem", problem)
+    monkeypatch.setattr(verify.solver, "solve", lambda layers, budget, memory: Solution(next(rounds)))
+    monkeypatch.setattr(verify, "_verified", lambda ctx, models, index, p, s: SimpleNamespace(
+        assignment=s.policies(()), meets_budget=False, metric=0.4, changed={"dense": "int8_from_float32"}))
+    ctx = SimpleNamespace(progress=False, max_rounds=3,
+                          budget=SimpleNamespace(allowed_drop=0.25, memory_budget=None, drop=lambda metric: metric))
+    new = verify.solve_and_verify(ctx, None, None, {}, [])
+    assert len(new) == 3 and budgets == pytest.approx([0.25, 0.125, 0.0625])
+    assert inflations[1] == {("dense", "int8_from_float32"): (1.0, pytest.approx(0.2))}  # 0.4 observed - 0.2 predicted

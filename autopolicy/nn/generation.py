@@ -36,6 +36,15 @@ def decode_step(model: Any, cache: Any, token: jax.Array, position: jax.Array) -
     return logits[:, 0], cache
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _greedy_step(treedef: Any, leaves: list, cache: Any, token: jax.Array, position: jax.Array) -> tuple:
+    """A decode step on the model's leaves, returning the next token (int32 ``(batch,)``): the
+    generation loop flattens the model once, not at every step (each call of a jitted function
+    flattens its arguments, in Python for every module of the model)."""
+    logits, cache = decode_step.__wrapped__(jax.tree_util.tree_unflatten(treedef, leaves), cache, token, position)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
 def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
@@ -75,14 +84,15 @@ def greedy_generate(model: Any, prompt: Sequence[int], steps: int, max_length: i
     ids[0, : len(prompt)] = prompt
     logits, cache = prefill(model, model.init_cache(1, max_length), jnp.asarray(ids))
     token = int(jnp.argmax(logits[0, len(prompt) - 1]))
+    leaves, treedef = jax.tree_util.tree_flatten(model)
     out = []
     for i in range(steps):
         out.append(token)
         if token in stop or i == steps - 1:
             break
         position = jnp.asarray(len(prompt) + i, jnp.int32)
-        logits, cache = decode_step(model, cache, jnp.asarray([token], jnp.int32), position)
-        token = int(jnp.argmax(logits[0]))
+        next_token, cache = _greedy_step(treedef, leaves, cache, jnp.asarray([token], jnp.int32), position)
+        token = int(next_token[0])
     return out
 
 

@@ -123,14 +123,18 @@ def fastest_first(ctx: Context, latency: LatencyProfile, models: Models,
 
 def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyProfile, models: Models,
                      tried: list[Configuration], calibration: Calibration = IDENTITY) -> list[Configuration]:
-    """Solves, verifies the map end to end, and while the budget breaks, scales the costs of
-    the layers it changed by what was observed and solves again (bounded rounds). Maps in
-    ``tried`` are not verified again; the new configurations are returned."""
+    """Solves, verifies the map end to end, and while the budget breaks, solves again (bounded
+    rounds) with what the miss showed: the summed costs run ``observed / predicted`` times too
+    low, so the solver's budget shrinks by that ratio (the estimate's error is a property of
+    every layer it adds up, not only of those the missed map changed), and the miss's excess is
+    spread over the layers it changed (that map, over the budget as observed, is not proposed
+    again). Maps in ``tried`` are not verified again; the new configurations are returned."""
     inflate: dict = {}
+    shrink = 1.0
     new: list[Configuration] = []
     for offset in progress(ctx.progress, range(ctx.max_rounds), "solve and verify"):
         round_index = len(tried) + offset + 1
-        problem = make_problem(latency, accuracy, ctx.budget.allowed_drop, ctx.budget.memory_budget, inflate,
+        problem = make_problem(latency, accuracy, ctx.budget.allowed_drop * shrink, ctx.budget.memory_budget, inflate,
                                calibration)
         with phase("solve"):
             solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
@@ -146,10 +150,11 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
         drop = ctx.budget.drop(entry.metric)  # in the metric's direction: a rise when lower is better
         changed = list(entry.changed.items())
         excess = drop - solution.accuracy_cost
-        ratio = drop / solution.accuracy_cost if solution.accuracy_cost > 0 else 1.0
+        if drop > 0 and solution.accuracy_cost > 0:
+            shrink *= min(1.0, solution.accuracy_cost / drop)
         for path, name in changed:
             scale, add = inflate.get((path, name), (1.0, 0.0))
-            inflate[(path, name)] = (scale * max(ratio, 1.0), add + max(excess, 0.0) / len(changed))
+            inflate[(path, name)] = (scale, add + max(excess, 0.0) / len(changed))
     return new
 
 
