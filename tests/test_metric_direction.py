@@ -200,6 +200,50 @@ def test_a_memory_budget_forces_a_slower_policy_on_exactly_the_layer_it_must(hig
     assert result.summary["float32"]["excluded"].startswith("over the memory budget")
 
 
+def _sleep_1ms(x):
+    time.sleep(SLOW_SECONDS / 3)
+    return np.asarray(x)
+
+
+def _slow_1ms(w, x):
+    x = jax.pure_callback(_sleep_1ms, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return x @ w.astype(x.dtype)
+
+
+class FasterBfloat16OnW1Adapter(SlowBfloat16Adapter):
+    """As SlowBfloat16Adapter, but bfloat16 on w1 sleeps 1 ms (on w2 3 ms): both slower than
+    float32, w1 the less so."""
+
+    def layer_program(self, path, policy):
+        if policy.compute_dtype == "float32" or path == "w2":
+            return super().layer_program(path, policy)
+        return Program(_slow_1ms, (self.inputs[path].astype(policy.compute_dtype),), self.model.params[path])
+
+    def model_program(self, model):
+        def run(params, x):
+            for path, dtype in zip(self.PATHS, model.dtypes):
+                fn = _matmul if dtype == "float32" else (_slow_1ms if path == "w1" else _slow)
+                x = fn(params[path], x.astype(dtype))
+            return x.astype(jnp.float32)
+
+        return Program(run, (self.inputs["w1"],), model.params)
+
+
+def test_under_a_memory_budget_a_slower_but_smaller_candidate_is_scored_and_chosen():
+    # Either layer alone in bfloat16 fits the budget. The fastest such map (w1, the less slow)
+    # breaks the loss budget, so the layers are scored: bfloat16 is slower than float32 on both,
+    # yet smaller, so it is scored (it used to be skipped as "slower than float32", leaving the
+    # solver nothing that fits), and w2 in bfloat16 is the map.
+    budget = 4 * W1 + 2 * W2
+    result = search.tune(TwoMatmuls(PARAMS), loss, X, candidates=["float32", "bfloat16"], max_drop=0.1,
+                         higher_is_better=False, memory_budget=budget, adapter=FasterBfloat16OnW1Adapter,
+                         profile_accuracy="measure", **QUICK)
+    assert result.summary["maps"][0]["meets_budget"] is False
+    assert result.accuracy.get("w1", "bfloat16").cost > 0.49 and result.accuracy.get("w2", "bfloat16").cost == 0.0
+    assert result.chosen.changed == {"w2": "bfloat16"} and result.chosen.meets_budget
+    assert result.chosen.nbytes == budget
+
+
 @pytest.mark.slow
 def test_the_memory_budget_binds_with_the_accuracy_budget():
     # bfloat16 on w1 would fit the memory but breaks the loss budget: no map within both exists

@@ -20,10 +20,14 @@ def _reference(baseline: float) -> LayerAccuracy:
     return LayerAccuracy(Status.REFERENCE, metric=baseline, cost=0.0, sqnr_db=math.inf, kl=0.0)
 
 
-def dominated(latency: LatencyProfile, i: int, policy: policies.DTypePolicy) -> bool:
-    """Slower than float32 by more than any cast it could save: never chosen by the solver."""
+def dominated(latency: LatencyProfile, i: int, policy: policies.DTypePolicy, memory_bound: bool = False) -> bool:
+    """Slower than float32 by more than any cast it could save, and (under a memory budget,
+    ``memory_bound``) no smaller: never chosen by the solver. A slower candidate that stores
+    fewer bytes may be the only way to fit the budget (an int8 embedding: a slower gather)."""
     sites = latency.sites
     site, table = sites[i], latency.timings[sites[i].path]
+    if memory_bound and table[policy.name].nbytes < table[REFERENCE].nbytes:
+        return False
     slack = max([s for (a, b), s in latency.site_casts(site).items() if b == REFERENCE] + [0.0])
     if i + 1 < len(sites) and sites[i + 1].chained:
         slack += max([s for (a, b), s in latency.site_casts(sites[i + 1]).items() if a == REFERENCE] + [0.0])
@@ -116,8 +120,9 @@ def measure_accuracy(ctx: Context, latency: LatencyProfile, every_candidate: boo
     """Phase 2: the accuracy cost of every layer under every candidate it could be given.
 
     A candidate whose layer output is not finite is disqualified; one slower than float32 by
-    more than any cast it could save is skipped (the solver would never choose it), unless
-    ``every_candidate`` asks for a complete sensitivity table. With ``ctx.executor``, the
+    more than any cast it could save (and, under a memory budget, no smaller) is skipped (the
+    solver would never choose it), unless ``every_candidate`` asks for a complete sensitivity
+    table. With ``ctx.executor``, the
     evaluations run there (:mod:`autopolicy.search.executor`), their results identical.
     """
     before = ctx.scorer.evaluations
@@ -127,7 +132,7 @@ def measure_accuracy(ctx: Context, latency: LatencyProfile, every_candidate: boo
         for policy in site.candidates[1:]:
             if not latency.timing(site.path, policy.name).finite:
                 entries[site.path][policy.name] = LayerAccuracy(Status.NONFINITE_LAYER)
-            elif not every_candidate and dominated(latency, i, policy):
+            elif not every_candidate and dominated(latency, i, policy, ctx.budget.memory_budget is not None):
                 entries[site.path][policy.name] = LayerAccuracy(Status.SLOWER)
             else:
                 todo.append((site, policy))

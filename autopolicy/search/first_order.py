@@ -156,7 +156,7 @@ def _pairs(ctx: Context, latency: LatencyProfile) -> tuple[list[Pair], dict[str,
         for policy in site.candidates[1:]:
             if not latency.timing(site.path, policy.name).finite:
                 entries[site.path][policy.name] = LayerAccuracy(Status.NONFINITE_LAYER)
-            elif dominated(latency, i, policy):
+            elif dominated(latency, i, policy, ctx.budget.memory_budget is not None):
                 entries[site.path][policy.name] = LayerAccuracy(Status.SLOWER)
             else:
                 pairs.append((site.path, policy))
@@ -214,7 +214,8 @@ def estimate(ctx: Context, latency: LatencyProfile, loss_fn: Callable, link: str
     by its contents).
 
     A candidate whose layer output is not finite is disqualified; one slower than float32 by
-    more than any cast it could save is skipped (the solver would never choose it). Returns
+    more than any cast it could save (and, under a memory budget, no smaller) is skipped (the
+    solver would never choose it). Returns
     None when ``link`` is ``"fitted"`` and no scale can be fitted from ``observed``.
     """
     pairs, entries = _pairs(ctx, latency)
