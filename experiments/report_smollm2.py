@@ -3,7 +3,7 @@ policy, a llama.cpp Q4_K_M-style hand recipe and tuned maps, measured side by si
 generated text from float32 and a tuned model; the per-layer sensitivity heatmap of a tune run.
 
     .venv/bin/python experiments/report_smollm2.py --out reports/smollm2 \
-        [--tuned runs/smollm2] [--tuned-budget runs/smollm2-40pct] [--reps 15]
+        [--tuned runs/smollm2] [--tuned-budget runs/smollm2-40pct ...] [--reps 15]
 
 Each configuration is built from the float32 model (``experiments/smollm2.py``); quantized
 layers run autopolicy's CPU kernels (``cpu_ffi``) where the layer offers them, tuned maps run
@@ -40,7 +40,7 @@ from autopolicy.nn import _base, generation  # noqa: E402
 from autopolicy.search import hardware  # noqa: E402
 
 UNIFORM = ("mixed_bfloat16", "int8_from_float32", "int4_from_float32", "int4/128_from_float32",
-           "int4/32_from_float32")
+           "int4/32_from_float32", "gptq/8/-1_from_float32", "gptq/4/32_from_float32")
 KINDS = ("attention/query", "attention/key", "attention/value", "attention/attention_output",
          "mlp/gate", "mlp/up", "mlp/down")
 PROMPTS = ("The capital of France is", "Python is a programming language that",
@@ -181,8 +181,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("reports/smollm2"))
     parser.add_argument("--tuned", type=pathlib.Path, help="a `autopolicy tune smollm2` run directory")
-    parser.add_argument("--tuned-budget", type=pathlib.Path,
-                        help="a run directory tuned under a memory budget (reported beside the rest)")
+    parser.add_argument("--tuned-budget", type=pathlib.Path, nargs="*", default=[],
+                        help="run directories tuned under memory budgets (each reported beside the rest)")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--inner", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=24, help="tokens generated per prompt")
@@ -196,9 +196,14 @@ def main(argv=None) -> None:
         specs[policy] = (policy, None)
     specs["Q4_K_M-style"] = (q4_k_m_map(model, config.blocks), None)
     summaries = {}
-    for label, run in (("tuned", args.tuned), ("tuned, 40% memory budget", args.tuned_budget)):
+    for label, run in [("tuned", args.tuned)] + [(None, run) for run in args.tuned_budget]:
         if run is not None:
-            policies, kernels, summaries[label] = tuned_from_run(run)
+            policies, kernels, summary = tuned_from_run(run)
+            if label is None:
+                budget = summary["budget"]
+                label = (f"tuned, {budget['memory_budget'] / 1e6:.0f} MB budget, "
+                         f"max rise {100 * budget['max_drop']:.0f}%")
+            summaries[label] = summary
             specs[label] = (policies, kernels)
     # GPTQ/AWQ layers are calibrated as the tune calibrates them: each layer alone on its float
     # inputs from the experiment's calibration batches.
@@ -243,7 +248,7 @@ def main(argv=None) -> None:
         f"Device: {device}. Load average at the end of the run: {load}. "
         f"Made by `python experiments/report_smollm2.py --out {args.out}"
         + (f" --tuned runs/{args.tuned.name}" if args.tuned else "")
-        + (f" --tuned-budget runs/{args.tuned_budget.name}" if args.tuned_budget else "")
+        + (" --tuned-budget " + " ".join(f"runs/{r.name}" for r in args.tuned_budget) if args.tuned_budget else "")
         + (f" --uniform {' '.join(args.uniform)}" if tuple(args.uniform) != UNIFORM else "") + f" --reps {args.reps}` "
         f"in {time.perf_counter() - started:.0f} s.", "",
         f"Perplexity: {len(heldout)} held-out windows of {smollm2.WINDOW} tokens of Python's documentation "

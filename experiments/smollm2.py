@@ -61,10 +61,10 @@ WINDOWS = 16      # held-out windows scored (2032 predicted tokens)
 ESTIMATE_WINDOWS = 32  # calibration-split windows of the first-order estimate (none of them scored)
 BATCH = 4         # windows per compiled call
 CACHE = 256       # the decode objective's cache length
-# Held-out perplexity of each as a uniform policy, float32 23.43 (reports/smollm2/README.md):
-# weight-only 8-bit per channel +0.4%, int8 (int8 activations) +3.9%, weight-only 4-bit in groups
-# of 32 +8.3%, int4 in blocks of 128 +139%; bfloat16 (+0.3%) is left out: its decode step is 10x
-# slower than float32 on CPUs without native bfloat16 dot products.
+# Held-out perplexity of each as a uniform policy, float32 23.43 (reports/smollm2-xeon/README.md,
+# GPTQ on every projection, the attention's too): weight-only 8-bit per channel +0.4%, int8 (int8
+# activations) +3.9%, weight-only 4-bit in groups of 32 +12.4%, int4 in blocks of 128 +138%;
+# bfloat16 (+0.3%) is left out: its decode step is 5-10x slower than float32 on these CPUs.
 CANDIDATES = ("gptq/8/-1_from_float32", "int8_from_float32", "gptq/4/32_from_float32", "int4/128_from_float32")
 
 
