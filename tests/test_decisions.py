@@ -373,11 +373,11 @@ def test_a_missed_map_shrinks_the_next_rounds_budget_by_predicted_over_observed(
 
     from autopolicy.search import verify  # pylint: disable=import-outside-toplevel
 
-    budgets, inflations = [], []
+    budgets, additions = [], []
 
-    def problem(latency, accuracy, budget, memory_budget, inflate, calibration):
+    def problem(latency, accuracy, budget, memory_budget, added, calibration):
         budgets.append(budget)
-        inflations.append(dict(inflate))
+        additions.append(dict(added))
         return SimpleNamespace(layers=(), budget=budget, memory_budget=memory_budget)
 
     class Solution:
@@ -398,4 +398,4 @@ def test_a_missed_map_shrinks_the_next_rounds_budget_by_predicted_over_observed(
                           budget=SimpleNamespace(allowed_drop=0.25, memory_budget=None, drop=lambda metric: metric))
     new = verify.solve_and_verify(ctx, None, None, {}, [])
     assert len(new) == 3 and budgets == pytest.approx([0.25, 0.125, 0.0625])
-    assert inflations[1] == {("dense", "int8_from_float32"): (1.0, pytest.approx(0.2))}  # 0.4 observed - 0.2 predicted
+    assert additions[1] == {("dense", "int8_from_float32"): pytest.approx(0.2)}  # 0.4 observed - 0.2 predicted

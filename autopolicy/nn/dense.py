@@ -230,24 +230,23 @@ class EinsumDense(QuantizableKernel):
         k = kernel.transpose([letters.index(c) for c in summed + free])
         return k.reshape((int(np.prod(k.shape[: len(summed)])), -1))
 
-    def _matmul_input(self, x: jax.Array) -> tuple[jax.Array, str, str]:
-        """``x`` transposed to (free letters, summed letters), with those letter strings."""
+    def _matmul_input(self, x: jax.Array) -> tuple[jax.Array, tuple[int, ...], str]:
+        """``x`` as ``(rows, K)`` rows of the product, the shape of its free axes, and their letters."""
         lhs, _, _ = _split(self._full_equation(x.ndim))
         summed, _ = self._product_letters()
         free_x = "".join(c for c in lhs if c not in summed)
-        return x.transpose([lhs.index(c) for c in free_x + summed]), free_x, summed
+        x_t = x.transpose([lhs.index(c) for c in free_x + summed])
+        rows = x_t.shape[: len(free_x)]
+        return x_t.reshape((-1, int(np.prod(x_t.shape[len(free_x):])))), rows, free_x
 
     def matmul_rows(self, x: jax.Array) -> jax.Array:
-        x_t, _, summed = self._matmul_input(x)
-        return x_t.reshape((-1, int(np.prod(x_t.shape[x_t.ndim - len(summed):]))))
+        return self._matmul_input(x)[0]
 
     def _matmul_call(self, x: jax.Array, equation: str) -> jax.Array:
         """GPTQ/AWQ: the product on the stored ``(K, N)`` kernel, its result put back in the
         equation's output layout."""
-        x_t, free_x, summed = self._matmul_input(x)
+        x2, rows, free_x = self._matmul_input(x)
         _, free_k = self._product_letters()
-        rows = x_t.shape[: len(free_x)]
-        x2 = x_t.reshape((-1, int(np.prod(x_t.shape[len(free_x):]))))
         y2 = self._quantized_kernel("mk,kn->mn", x2, compute_dtype=x.dtype)
         sizes = dict(zip(_output_letters(self.equation, equation), self.output_shape))
         y = y2.reshape(rows + tuple(sizes[c] for c in free_k))

@@ -4,7 +4,8 @@ SwiGLU feed-forward, RMSNorm, and an input embedding tied to the output head.
 Every projection is a :class:`~autopolicy.nn.Dense` or :class:`~autopolicy.nn.EinsumDense`, so
 each takes its own policy (int8, int4, float8, ...). The key/value cache is not part of the model:
 it is a tuple of ``(keys, values)`` per block, keys ``(batch, kv_heads, head_dim, max_length)`` and
-values ``(batch, kv_heads, max_length, head_dim)``, passed in and returned, so one compiled decode step serves every position.
+values ``(batch, kv_heads, max_length, head_dim)``, passed in and returned, so one compiled decode
+step serves every position.
 """
 
 from __future__ import annotations

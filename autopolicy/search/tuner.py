@@ -84,7 +84,6 @@ def _batches(calibration_inputs: Iterable[Any] | None, args: tuple) -> list[tupl
     return batches
 
 
-
 def _input_shape(arg: Any) -> list:
     """The shape of one sample-input argument, or of each leaf of a nested one (a language
     model's key/value cache: a tuple of arrays of unlike shapes), for the timings' cache key."""

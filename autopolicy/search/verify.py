@@ -29,12 +29,13 @@ Models = dict
 
 
 def make_problem(latency: LatencyProfile, accuracy: AccuracyProfile | None, budget: float,
-                 memory_budget: float | None, inflate: Mapping | None = None,
+                 memory_budget: float | None, added: Mapping | None = None,
                  calibration: Calibration = IDENTITY) -> Problem:
-    """The solver's layers: measured options with their (inflated) accuracy costs; with no
+    """The solver's layers: measured options with their accuracy costs (plus ``added``, per
+    ``(path, policy name)``, what verification showed they had missed); with no
     accuracy profile, every option whose layer output stayed finite, at no accuracy cost.
     Layer latencies are scaled by the calibrated latency model."""
-    inflate = inflate or {}
+    added = added or {}
     layers = []
     for site in latency.sites:
         options = []
@@ -48,8 +49,7 @@ def make_problem(latency: LatencyProfile, accuracy: AccuracyProfile | None, budg
                 acc = accuracy.get(site.path, policy.name)
                 if acc is None or not acc.usable:
                     continue
-                scale, add = inflate.get((site.path, policy.name), (1.0, 0.0))
-                cost = acc.cost * scale + add
+                cost = acc.cost + added.get((site.path, policy.name), 0.0)
             seconds = t.latency_s * calibration.factor(policy.name)
             options.append(solver.Option(policy.name, policy.compute_dtype, seconds, cost, float(t.nbytes)))
         layers.append(solver.Layer(site.path, tuple(options), site.chained, latency.site_casts(site)))
@@ -129,12 +129,12 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
     every layer it adds up, not only of those the missed map changed), and the miss's excess is
     spread over the layers it changed (that map, over the budget as observed, is not proposed
     again). Maps in ``tried`` are not verified again; the new configurations are returned."""
-    inflate: dict = {}
+    added: dict = {}
     shrink = 1.0
     new: list[Configuration] = []
     for offset in progress(ctx.progress, range(ctx.max_rounds), "solve and verify"):
         round_index = len(tried) + offset + 1
-        problem = make_problem(latency, accuracy, ctx.budget.allowed_drop * shrink, ctx.budget.memory_budget, inflate,
+        problem = make_problem(latency, accuracy, ctx.budget.allowed_drop * shrink, ctx.budget.memory_budget, added,
                                calibration)
         with phase("solve"):
             solution = solver.solve(problem.layers, problem.budget, problem.memory_budget)
@@ -152,9 +152,8 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
         excess = drop - solution.accuracy_cost
         if drop > 0 and solution.accuracy_cost > 0:
             shrink *= min(1.0, solution.accuracy_cost / drop)
-        for path, name in changed:
-            scale, add = inflate.get((path, name), (1.0, 0.0))
-            inflate[(path, name)] = (scale, add + max(excess, 0.0) / len(changed))
+        for pair in changed:
+            added[pair] = added.get(pair, 0.0) + max(excess, 0.0) / len(changed)
     return new
 
 
