@@ -16,6 +16,10 @@ kernels between the package's XLA quantization and rescale (what the layers did 
 fused calls); and the installed build's fused ``cpu_kernels.int8_dense`` / ``int4_dense``.
 Outputs must be equal (int8, int4 per channel) bit for bit.
 
+With ``--weight-only`` it times the GPTQ/AWQ kernel (``cpu_weight_only.weight_only_matmul``)
+of both builds instead, kernel alone, for 8 bits per channel and 4 bits in groups of 32 and 128
+(outputs within 1e-5 of the largest).
+
 Build the other library from a commit, for instance::
 
     git archive main autopolicy/numerics/cpu | tar -x -C /tmp/old
@@ -96,6 +100,50 @@ def compare(k: int, n: int, m: int, rounds: int, seed: int = 0) -> str:
     return f"{k}x{n} batch {m}: " + " | ".join(cells)
 
 
+def compare_weight_only(k: int, n: int, m: int, rounds: int, seed: int = 0) -> str:
+    """The installed build's weight-only kernel against the other build's, same operands."""
+    from autopolicy.numerics import cpu_weight_only, weight_only
+
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    runs, kinds = {}, {}
+    for bits, group in ((8, k), (4, k), (4, 32), (4, 128), (8, 128)):
+        groups = -(-k // group)
+        q = jnp.asarray(rng.integers(0, 2**bits, (n, k)))
+        scale = jnp.asarray(rng.uniform(0.01, 0.2, (n, groups)).astype(np.float32))
+        zero = jnp.asarray(rng.integers(0, 2**bits, (n, groups)).astype(np.uint8))
+        stored = weight_only.pack(q, bits) if bits == 4 else q.astype(jnp.uint8)
+        g_idx = jnp.asarray(weight_only.group_index(k, group))
+        name = f"{bits}-bit/{'channel' if group == k else group}"
+
+        def old(x_, q_, s_, z_, g_, bits=bits, group=group):
+            return jax.ffi.ffi_call("ab_old_weight_only", jax.ShapeDtypeStruct((m, n), jnp.float32))(
+                x_, q_, s_, z_, g_, bits=np.int64(bits), group=np.int64(group))
+
+        def new(x_, q_, s_, z_, g_, bits=bits, group=group):
+            return cpu_weight_only.weight_only_matmul(x_, q_, s_, z_, bits, group, g_)
+
+        args = (x, stored, scale, zero, g_idx)
+        a, b = np.asarray(jax.jit(old)(*args)), np.asarray(jax.jit(new)(*args))
+        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)), name
+        kinds[name] = n * k * bits // 8
+        runs[(name, "old")] = _timer(jax.jit(old), args, 10)
+        runs[(name, "new")] = _timer(jax.jit(new), args, 10)
+    times = {key: [] for key in runs}
+    for _ in range(rounds):
+        for i in rng.permutation(len(runs)):
+            key = list(runs)[i]
+            times[key].append(runs[key]())
+    cells = []
+    for name, nbytes in kinds.items():
+        o, w = np.array(times[(name, "old")]), np.array(times[(name, "new")])
+        ratio = o / w
+        cells.append(f"{name}: {np.median(o) * 1e6:.0f} -> {np.median(w) * 1e6:.0f} us "
+                     f"({nbytes / np.median(w) / 1e9:.1f} GB/s), {np.median(ratio):.2f}x "
+                     f"[{np.percentile(ratio, 25):.2f}-{np.percentile(ratio, 75):.2f}]")
+    return f"{k}x{n} batch {m}: " + " | ".join(cells)
+
+
 def _chain(layer, length):
     """``length`` dependent calls of ``layer(x, *weights[i % len(weights)])``: the next x is x plus
     a tiny multiple of the output's first column (so every call waits for the one before, as
@@ -166,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--layers", action="store_true", help="time whole layers (float in, float out)")
     parser.add_argument("--chain", type=int, default=16, help="dependent layer calls per jitted program")
+    parser.add_argument("--weight-only", action="store_true", help="time the GPTQ/AWQ weight-only kernel")
     args = parser.parse_args(argv)
     if not cpu_kernels.AVAILABLE:
         print(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
@@ -173,10 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     lib = ctypes.CDLL(args.old)
     jax.ffi.register_ffi_target("ab_old_int8", jax.ffi.pycapsule(lib.AutopolicyInt8Matmul), platform="cpu")
     jax.ffi.register_ffi_target("ab_old_int4", jax.ffi.pycapsule(lib.AutopolicyInt4Matmul), platform="cpu")
+    if args.weight_only:
+        jax.ffi.register_ffi_target("ab_old_weight_only", jax.ffi.pycapsule(lib.AutopolicyWeightOnlyMatmul),
+                                    platform="cpu")
     for shape in args.shapes:
         k, n = (int(v) for v in shape.lower().split("x"))
         for m in args.batches:
-            if args.layers:
+            if args.weight_only:
+                print(compare_weight_only(k, n, m, args.rounds), flush=True)
+            elif args.layers:
                 print(compare_layers(k, n, m, args.rounds, args.chain), flush=True)
             else:
                 print(compare(k, n, m, args.rounds), flush=True)

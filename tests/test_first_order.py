@@ -215,6 +215,46 @@ def test_metric_cost_per_link(link, change, expected):
     assert first_order.metric_cost(change, link, 20.0, scale=3.0) == pytest.approx(expected)
 
 
+def test_the_cautious_estimate_never_credits_a_layer_for_improving_the_loss():
+    assert first_order.loss_change({"first": -0.3, "fisher": 0.2}, "cautious") == pytest.approx(0.2)
+    assert first_order.loss_change({"first": 0.1, "fisher": 0.2}, "cautious") == pytest.approx(0.3)
+    assert first_order.loss_change({"first": -0.3, "fisher": 0.2}, "both") == pytest.approx(-0.1)
+    assert first_order.ESTIMATOR == "cautious"
+    with pytest.raises(ValueError, match=r"estimator must be one of \['first', 'fisher', 'both', 'cautious'\]. "
+                                         r"Received: estimator='sum'"):
+        first_order.loss_change({"first": 0.0, "fisher": 0.0}, "sum")
+
+
+def _profile(costs):
+    Status = search.phases.Status
+    entries = {path: {name: search.phases.LayerAccuracy(Status.FIRST_ORDER, cost=c) for name, c in row.items()}
+               for path, row in costs.items()}
+    entries["head"] = {"float32": search.phases.LayerAccuracy(Status.REFERENCE, cost=0.0),
+                       "int8": search.phases.LayerAccuracy(Status.SLOWER)}
+    return search.phases.AccuracyProfile(entries, "first_order", 0)
+
+
+def test_calibrate_scales_each_candidate_to_its_uniform_policys_change_in_the_loss():
+    # Perplexity 20 (exp link): costs 0.5 and 1.5 are loss changes log1p(c / 20); the uniform
+    # policy rose by 4, a loss change of log1p(4 / 20), which the scaled costs add up to.
+    profile = _profile({"a": {"int8": 0.5, "int4": 2.0}, "b": {"int8": 1.5, "int4": 6.0}})
+    out = first_order.calibrate(profile, "exp", 20.0, {"int8": 4.0, "int4": -1.0})
+    loss = lambda c: np.log1p(c / 20.0)  # noqa: E731
+    assert out.scales["int8"] == pytest.approx(loss(4.0) / (loss(0.5) + loss(1.5)))
+    assert loss(out.get("a", "int8").cost) + loss(out.get("b", "int8").cost) == pytest.approx(loss(4.0))
+    assert out.get("a", "int8").cost / out.get("b", "int8").cost == pytest.approx(0.32, abs=0.01)
+    # The uniform policy improved the metric: its layers cost nothing.
+    assert out.scales["int4"] == 0.0 and out.get("b", "int4").cost == 0.0
+    # What has no estimate, and a candidate with no finite observation, are left as they were.
+    assert out.get("head", "int8").status == search.phases.Status.SLOWER
+    assert out.get("head", "float32").cost == 0.0
+    same = first_order.calibrate(profile, "loss", 20.0, {"int8": float("nan")})
+    assert same.scales is None and same.get("a", "int8").cost == 0.5
+    # In the metric's units for other links.
+    loss_link = first_order.calibrate(profile, "loss", 20.0, {"int8": 1.0})
+    assert loss_link.get("a", "int8").cost == pytest.approx(0.25) and loss_link.get("b", "int8").cost == pytest.approx(0.75)
+
+
 def test_bad_arguments_are_clear_errors(mlp):
     adapter, x, labels = mlp
     model = adapter.model
@@ -282,6 +322,12 @@ def test_tune_with_first_order_solves_from_the_estimate_and_a_rerun_measures_not
     assert max(result.accuracy.entries[p]["int4_from_float32"].cost for p in ("mlp/hidden", "mlp/mid")) > 1e-4
     assert result.evaluations["profile"] == 0
     assert result.chosen.meets_budget and result.budget.meets(result.chosen.metric)
+    # Each candidate's estimates were scaled to add up to its uniform policy's measured change.
+    uniforms = {c.uniform: c for c in result.configurations if c.kind == "uniform" and c.uniform != "float32"}
+    assert set(result.accuracy.scales) == {"int8_from_float32", "int4_from_float32"}
+    for name, u in uniforms.items():
+        total = sum(result.accuracy.entries[p][name].cost for p in ("mlp/hidden", "mlp/mid", "mlp/out"))
+        assert total == pytest.approx(max(result.budget.drop(u.metric), 0.0), rel=1e-6, abs=1e-12)
     passes = []
     original = NNAdapter.output_gradients
     monkeypatch.setattr(NNAdapter, "output_gradients", lambda self, *a: passes.append(1) or original(self, *a))

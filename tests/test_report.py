@@ -480,3 +480,17 @@ def test_the_report_is_not_imported_by_autopolicy_and_never_imports_pyplot():
             "print(core, 'matplotlib.pyplot' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_first_order_run_states_each_candidates_fitted_scale(tmp_path):
+    run_dir = write_run(tmp_path / "run", all_float32=False)
+    path = os.path.join(run_dir, "summary.json")
+    with open(path) as f:
+        summary = json.load(f)
+    summary.update(accuracy_profile="first_order", accuracy_scales={"int8_from_float32": 0.5644, "mixed_bfloat16": 0.0})
+    with open(path, "w") as f:
+        json.dump(summary, f)
+    md = _read(report.write_report(run_dir, tmp_path / "out")["markdown"])
+    assert ("(first-order sensitivity, autopolicy.search.first_order), in the metric's units; then each candidate's "
+            "costs scaled so that they add up to its uniform policy's measured change (scales: int8_from_float32 "
+            "0.564, mixed_bfloat16 0)") in md

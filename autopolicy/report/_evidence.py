@@ -57,6 +57,10 @@ def method(summary: dict[str, Any]) -> list[Block]:
     model = summary.get("latency_model") if isinstance(summary.get("latency_model"), dict) else {}
     fitted_on = model.get("fitted_on")
     accuracy = _ACCURACY.get(summary.get("accuracy_profile"), MISSING)
+    scales = summary.get("accuracy_scales")
+    if isinstance(scales, dict) and scales:
+        accuracy += ("; then each candidate's costs scaled so that they add up to its uniform policy's measured "
+                     "change (scales: " + ", ".join(f"{name} {_num(v)}" for name, v in scales.items()) + ")")
     items = [
         ("Layer latency", "each tunable layer jitted and timed alone under each policy: the median of repeats "
                           "(whiskers: 25th-75th percentile; CV: its spread)"),

@@ -3,6 +3,8 @@ imported only here, lazily)."""
 
 from __future__ import annotations
 
+import collections
+
 import json
 import math
 from typing import Any, Sequence
@@ -172,10 +174,12 @@ def summary(result: Any) -> dict[str, Any]:
         "speedup_vs_best_uniform": best_uniform.measured_latency_s / chosen.measured_latency_s,
         "uniform": {name: _entry(e, budget) for name, e in uniforms.items()},
         "maps": [{"round": e.round, "predicted_accuracy_cost": e.predicted_accuracy_cost, "exact": e.exact,
+                  "policies": dict(collections.Counter(e.assignment.values()).most_common()),
                   **_entry(e, budget)} for e in maps],
         "evaluations": dict(result.evaluations),
         "accuracy_profile": result.accuracy.method,
         "accuracy_scale": result.accuracy.scale,
+        "accuracy_scales": None if result.accuracy.scales is None else dict(result.accuracy.scales),
         "cache": dict(result.cache_stats),
         "wall_time_s": result.wall_time_s,
         "decisions": list(result.decisions),

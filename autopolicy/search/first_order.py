@@ -12,16 +12,25 @@ loss's change:
   output row feeds one example's loss). At a trained model the first-order term averages to
   about zero over inputs, so this one is the usual sensitivity measure.
 
-:data:`ESTIMATOR` says which of them (or their sum) the search uses; it was chosen by rank
-correlation with measured one-layer perplexity changes of SmolLM2-135M
-(``experiments/bench_first_order.py``, ``reports/smollm2/first_order.md``): with the gradient
-taken on the very windows the metric scores, their sum ranks 32 layer/candidate pairs with
-Spearman 0.87 (the Fisher term alone 0.66, the first-order term alone 0.67): on the metric's own
-data the first-order term is not zero, it is the sign-indefinite part of each change. On 4
-windows disjoint from the scored ones the Fisher term alone ranked best (0.65; the sum 0.61), so
-give ``loss_inputs`` the metric's own batches where they are at hand. Every figure comes from one forward and backward pass per
-calibration batch, plus one run of each layer under each candidate on the inputs that pass
-recorded: no metric evaluation.
+Which of them ranks single layers best was measured by rank correlation with one-layer
+perplexity changes of SmolLM2-135M (``experiments/bench_first_order.py``,
+``reports/smollm2/first_order.md``): with the gradient taken on the very windows the metric
+scores, their sum ranks 32 layer/candidate pairs with Spearman 0.87 (the Fisher term alone 0.66,
+the first-order term alone 0.67): on the metric's own data the first-order term is not zero, it
+is the sign-indefinite part of each change. On 4 windows disjoint from the scored ones the
+Fisher term alone ranked best (0.65; the sum 0.61), so give ``loss_inputs`` the metric's own
+batches where they are at hand.
+
+A solver, though, does not rank: it collects every layer whose cost looks small, and a
+negative first-order term makes a layer look free. On SmolLM2-135M the sum, clipped at zero,
+left 44 of 211 layers free under int4 in blocks of 128; the map of those layers, predicted
+within a 0.48 perplexity budget, rose the perplexity by 35. So :data:`ESTIMATOR`, what the
+search uses, is ``"cautious"``: the Fisher term plus the first-order term where it is positive
+(no layer is credited for improving the loss alone). Every figure comes from one forward and
+backward pass per calibration batch, plus one run of each layer under each candidate on the
+inputs that pass recorded: no metric evaluation. :func:`calibrate` then scales each
+candidate's costs so that they add up to its uniform policy's measured change, where the
+search has scored it.
 
 The loss change is turned into the metric's units by :data:`LINKS`: ``"exp"`` for a perplexity
 (``exp`` of a mean negative log-likelihood: a change ``dL`` multiplies it by ``exp(dL)``),
@@ -31,8 +40,9 @@ fitted so that the changed layers of a map scored end to end add up to its obser
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,14 +56,15 @@ from autopolicy.search.cache import MeasurementCache, key
 from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, LayerAccuracy, Status
 
 __all__ = ["LINKS", "TERMS", "ESTIMATOR", "batch_terms", "measure_terms", "combine", "loss_change", "metric_cost",
-           "estimate", "check_arguments"]
+           "estimate", "calibrate", "check_arguments"]
 
 #: How a loss change becomes a change of the metric (see the module docstring).
 LINKS = ("exp", "loss", "fitted")
-#: The estimates of a loss change: the first-order term, the Fisher term, or their sum.
-TERMS = ("first", "fisher", "both")
-#: The one the search uses (chosen by measured rank correlation: see the module docstring).
-ESTIMATOR = "both"
+#: The estimates of a loss change: the first-order term, the Fisher term, their sum, or the
+#: Fisher term plus the first-order term's positive part.
+TERMS = ("first", "fisher", "both", "cautious")
+#: The one the search uses (see the module docstring).
+ESTIMATOR = "cautious"
 
 Pair = tuple[str, policies.DTypePolicy]
 
@@ -114,6 +125,10 @@ def combine(records: Iterable[dict]) -> dict[str, float | bool]:
 def loss_change(terms: dict, estimator: str = ESTIMATOR) -> float:
     """The estimated change of the loss from :func:`combine`'s terms, by ``estimator``.
 
+    >>> terms = {"first": -0.3, "fisher": 0.2}
+    >>> round(loss_change(terms, "both"), 6), loss_change(terms, "cautious")
+    (-0.1, 0.2)
+
     Raises:
       ValueError: for an estimator not in :data:`TERMS`.
     """
@@ -121,6 +136,8 @@ def loss_change(terms: dict, estimator: str = ESTIMATOR) -> float:
         raise ValueError(f"estimator must be one of {list(TERMS)}. Received: estimator={estimator!r}")
     if estimator == "both":
         return terms["first"] + terms["fisher"]
+    if estimator == "cautious":
+        return max(terms["first"], 0.0) + terms["fisher"]
     return terms[estimator]
 
 
@@ -238,6 +255,45 @@ def estimate(ctx: Context, latency: LatencyProfile, loss_fn: Callable, link: str
         entries[path][name] = LayerAccuracy(Status.FIRST_ORDER, cost=cost, sqnr_db=t["sqnr_db"])
     entries = {s.path: {p.name: entries[s.path][p.name] for p in s.candidates} for s in latency.sites}
     return AccuracyProfile(entries, method="first_order", evaluations=0, scale=scale if link == "fitted" else None)
+
+
+def calibrate(profile: AccuracyProfile, link: str, baseline: float, observed: Mapping[str, float]) -> AccuracyProfile:
+    """``profile`` with each candidate's estimated costs scaled so that they add up to what its
+    uniform policy measured end to end: ``observed`` maps a policy name to the metric's change
+    with every layer on it (in the metric's bad direction, as ``Budget.drop`` gives it).
+
+    One scale per candidate, fitted where the estimate is additive: in the loss for the
+    ``"exp"`` link (a cost ``c`` is the loss change ``log1p(c / baseline)``, and a rise ``r`` of
+    the uniform policy is ``log1p(r / baseline)``), in the metric's units otherwise. A change of
+    zero or less gives the scale 0 (the candidate's layers cost nothing, as its uniform policy
+    showed); a candidate with no finite observation, or whose estimates add up to 0, keeps its
+    estimates. The scales are recorded in the profile's ``scales``.
+
+    >>> entries = {"a": {"p": LayerAccuracy(Status.FIRST_ORDER, cost=1.0)},
+    ...            "b": {"p": LayerAccuracy(Status.FIRST_ORDER, cost=3.0)}}
+    >>> out = calibrate(AccuracyProfile(entries, "first_order", 0), "loss", 10.0, {"p": 2.0})
+    >>> out.scales, out.get("a", "p").cost, out.get("b", "p").cost
+    ({'p': 0.5}, 0.5, 1.5)
+    """
+    def to_loss(cost: float) -> float:
+        return math.log1p(cost / baseline) if link == "exp" else cost
+
+    def from_loss(change: float) -> float:
+        return baseline * math.expm1(change) if link == "exp" else change
+
+    scales: dict[str, float] = {}
+    for name, drop in observed.items():
+        usable = [acc for row in profile.entries.values() for n, acc in row.items()
+                  if n == name and acc.status == Status.FIRST_ORDER and math.isfinite(acc.cost)]
+        total = sum(to_loss(acc.cost) for acc in usable)
+        if not math.isfinite(drop) or not usable or total <= 0 or (link == "exp" and drop <= -baseline):
+            continue
+        scales[name] = max(to_loss(drop), 0.0) / total
+    entries = {path: {name: (dataclasses.replace(acc, cost=from_loss(scales[name] * to_loss(acc.cost)))
+                             if name in scales and acc.status == Status.FIRST_ORDER and math.isfinite(acc.cost) else acc)
+                      for name, acc in row.items()}
+               for path, row in profile.entries.items()}
+    return dataclasses.replace(profile, entries=entries, scales=scales or None)
 
 
 def check_arguments(profile_accuracy: str, loss_fn: Any, loss_link: str, higher_is_better: bool,

@@ -149,6 +149,9 @@ class AccuracyProfile:
     evaluations: int
     scale: float | None = None  # estimated: metric drop (or rise) per unit of relative output error
     remote: int = 0  # of ``evaluations``, those made by an executor's workers
+    # first_order: each candidate's scale fitted on its uniform policy's measured change
+    # (first_order.calibrate), by policy name; None when none was fitted.
+    scales: Mapping[str, float] | None = None
 
     @property
     def measured(self) -> bool:

@@ -293,6 +293,12 @@ def tune(
                     accuracy = (first_order.estimate(ctx, latency, loss_fn, loss_link, loss_batches,
                                                      tried[0] if tried else None)
                                 if gradients else accuracy_phase.estimate_accuracy(ctx, latency, tried[0]))
+                    if accuracy is not None and accuracy.method == "first_order":
+                        # Each candidate's estimates add up to what its uniform policy measures.
+                        uniform_configs = verify.score_uniforms(ctx, accuracy, uniform_configs, models)
+                        accuracy = first_order.calibrate(
+                            accuracy, loss_link, ctx.budget.baseline_metric,
+                            {u.uniform: ctx.budget.drop(u.metric) for u in uniform_configs[1:] if u.metric is not None})
                 if accuracy is not None:
                     with phase("verify"):
                         tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)

@@ -19,10 +19,10 @@ from autopolicy.search.confidence import Speedup
 from autopolicy.search.costs import phase
 from autopolicy.search.endtoend import EndToEnd, config_key
 from autopolicy.search.latency_model import IDENTITY, Calibration
-from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem, failed
+from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem, Status, failed
 
-__all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "decide", "settled", "choose",
-           "Models", "over_memory"]
+__all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "score_uniforms", "decide",
+           "settled", "choose", "Models", "over_memory"]
 
 #: Models built for configurations, by configuration name (what ``eval_fn`` scored).
 Models = dict
@@ -178,6 +178,25 @@ def uniforms(ctx: Context, latency: LatencyProfile, models: Models) -> list[Conf
     """float32 first, then every other candidate as a uniform policy."""
     reference = policies.DTypePolicy(REFERENCE)
     return [uniform(ctx, latency, p, models) for p in [reference] + [c for c in ctx.candidates if c != reference]]
+
+
+def score_uniforms(ctx: Context, accuracy: AccuracyProfile, uniform_configs: list[Configuration],
+                   models: Models) -> list[Configuration]:
+    """``uniform_configs`` with the metric of each uniform policy that has per-layer estimates in
+    ``accuracy`` (built, not disqualified), scored end to end now: what the estimates of its
+    layers should add up to (first_order.calibrate). The final choice reuses these scores."""
+    scored = []
+    for u in uniform_configs:
+        estimated = any(acc.status == Status.FIRST_ORDER for row in accuracy.entries.values()
+                        for name, acc in row.items() if name == u.uniform)
+        if (u.metric is None and estimated and not u.disqualified and u.name in models
+                and not (u.excluded and not u.excluded.startswith("over the memory budget"))):
+            try:
+                u = u.with_(metric=_evaluate(ctx, u.name, u.policy_map, models[u.name]))
+            except Exception as e:  # pylint: disable=broad-except
+                u = u.with_(metric=math.nan, excluded=failed("evaluate", e))
+        scored.append(u)
+    return scored
 
 
 def _timed(e2e: EndToEnd, config: Configuration, float32: Configuration) -> Configuration:
