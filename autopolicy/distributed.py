@@ -123,13 +123,30 @@ class RayExecutor(concurrent.futures.Executor):
         with self._lock:
             index = next(self._turn) % len(self._actors)
             actor = self._actors[index]
-        future = actor.run.remote(fn, *args, **kwargs).future()
-        future.add_done_callback(lambda f: self._replace_if_dead(index, actor, f))
-        return future
+        inner = actor.run.remote(fn, *args, **kwargs).future()
+        # The caller sees a failure only once a dead actor has been replaced: a retry submitted
+        # as soon as it sees one must not land on the dead actor again.
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+        outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
 
-    def _replace_if_dead(self, index: int, actor: Any, future: concurrent.futures.Future) -> None:
-        error = future.exception() if not future.cancelled() else None
-        if error is None or type(error).__name__ not in ("ActorDiedError", "RayActorError", "ActorUnavailableError"):
+        def settle(done: concurrent.futures.Future) -> None:
+            if done.cancelled():
+                outer.cancel()
+                return
+            error = done.exception()
+            if error is not None:
+                self._replace_if_dead(index, actor, error)
+            if outer.set_running_or_notify_cancel():
+                if error is None:
+                    outer.set_result(done.result())
+                else:
+                    outer.set_exception(error)
+
+        inner.add_done_callback(settle)
+        return outer
+
+    def _replace_if_dead(self, index: int, actor: Any, error: BaseException) -> None:
+        if type(error).__name__ not in ("ActorDiedError", "RayActorError", "ActorUnavailableError"):
             return
         with self._lock:
             if not self._closed and self._actors[index] is actor:
