@@ -17,7 +17,8 @@ fused calls); and the installed build's fused ``cpu_kernels.int8_dense`` / ``int
 Outputs must be equal (int8, int4 per channel) bit for bit.
 
 With ``--weight-only`` it times the GPTQ/AWQ kernel (``cpu_weight_only.weight_only_matmul``)
-of both builds instead, kernel alone, for 8 bits per channel and 4 bits in groups of 32 and 128
+of both builds instead, kernel alone, for 8 and 4 bits per channel, 4 bits in groups of 32 and 128
+and 8 in groups of 128
 (outputs within 1e-5 of the largest).
 
 Build the other library from a commit, for instance::
@@ -85,19 +86,28 @@ def compare(k: int, n: int, m: int, rounds: int, seed: int = 0) -> str:
             assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)), name
         runs[(name, "old")] = _timer(old_fn, args, reps)
         runs[(name, "new")] = _timer(new_fn, args, reps)
+    times = _interleaved(runs, rounds, rng)
+    cells = [_old_new(name, times, nbytes) for name, (_, _, _, nbytes) in kernels.items()]
+    return f"{k}x{n} batch {m}: " + " | ".join(cells)
+
+
+def _interleaved(runs: dict, rounds: int, rng: np.random.Generator) -> dict:
+    """Each timer's samples over ``rounds`` rounds, every round in a fresh random order."""
     times = {key: [] for key in runs}
     for _ in range(rounds):
         for i in rng.permutation(len(runs)):
             key = list(runs)[i]
             times[key].append(runs[key]())
-    cells = []
-    for name, (_, _, _, nbytes) in kernels.items():
-        o, w = np.array(times[(name, "old")]), np.array(times[(name, "new")])
-        ratio = o / w
-        cells.append(f"{name}: {np.median(o) * 1e6:.0f} -> {np.median(w) * 1e6:.0f} us "
-                     f"({nbytes / np.median(w) / 1e9:.1f} GB/s), {np.median(ratio):.2f}x "
-                     f"[{np.percentile(ratio, 25):.2f}-{np.percentile(ratio, 75):.2f}]")
-    return f"{k}x{n} batch {m}: " + " | ".join(cells)
+    return times
+
+
+def _old_new(name: str, times: dict, nbytes: int) -> str:
+    """One kernel's old and new medians, the new one's GB/s, and the old/new ratio's quartiles."""
+    o, w = np.array(times[(name, "old")]), np.array(times[(name, "new")])
+    ratio = o / w
+    return (f"{name}: {np.median(o) * 1e6:.0f} -> {np.median(w) * 1e6:.0f} us "
+            f"({nbytes / np.median(w) / 1e9:.1f} GB/s), {np.median(ratio):.2f}x "
+            f"[{np.percentile(ratio, 25):.2f}-{np.percentile(ratio, 75):.2f}]")
 
 
 def compare_weight_only(k: int, n: int, m: int, rounds: int, seed: int = 0) -> str:
@@ -129,19 +139,8 @@ def compare_weight_only(k: int, n: int, m: int, rounds: int, seed: int = 0) -> s
         kinds[name] = n * k * bits // 8
         runs[(name, "old")] = _timer(jax.jit(old), args, 10)
         runs[(name, "new")] = _timer(jax.jit(new), args, 10)
-    times = {key: [] for key in runs}
-    for _ in range(rounds):
-        for i in rng.permutation(len(runs)):
-            key = list(runs)[i]
-            times[key].append(runs[key]())
-    cells = []
-    for name, nbytes in kinds.items():
-        o, w = np.array(times[(name, "old")]), np.array(times[(name, "new")])
-        ratio = o / w
-        cells.append(f"{name}: {np.median(o) * 1e6:.0f} -> {np.median(w) * 1e6:.0f} us "
-                     f"({nbytes / np.median(w) / 1e9:.1f} GB/s), {np.median(ratio):.2f}x "
-                     f"[{np.percentile(ratio, 25):.2f}-{np.percentile(ratio, 75):.2f}]")
-    return f"{k}x{n} batch {m}: " + " | ".join(cells)
+    times = _interleaved(runs, rounds, rng)
+    return f"{k}x{n} batch {m}: " + " | ".join(_old_new(name, times, nbytes) for name, nbytes in kinds.items())
 
 
 def _chain(layer, length):
