@@ -17,9 +17,8 @@ fused calls); and the installed build's fused ``cpu_kernels.int8_dense`` / ``int
 Outputs must be equal (int8, int4 per channel) bit for bit.
 
 With ``--weight-only`` it times the GPTQ/AWQ kernel (``cpu_weight_only.weight_only_matmul``)
-of both builds instead, kernel alone, for 8 and 4 bits per channel, 4 bits in groups of 32 and 128
-and 8 in groups of 128
-(outputs within 1e-5 of the largest).
+of both builds instead, kernel alone, for 8 and 4 bits per channel, 4 bits in groups of 32 and
+128, and 8 bits in groups of 128 (outputs within 1e-5 of the largest).
 
 Build the other library from a commit, for instance::
 
