@@ -375,7 +375,7 @@ def test_a_missed_map_shrinks_the_next_rounds_budget_by_predicted_over_observed(
 
     budgets, additions = [], []
 
-    def problem(latency, accuracy, budget, memory_budget, added, calibration):
+    def problem(latency, accuracy, budget, memory_budget, added, calibration, no_reference=()):
         budgets.append(budget)
         additions.append(dict(added))
         return SimpleNamespace(layers=(), budget=budget, memory_budget=memory_budget)
@@ -399,3 +399,57 @@ def test_a_missed_map_shrinks_the_next_rounds_budget_by_predicted_over_observed(
     new = verify.solve_and_verify(ctx, None, None, {}, [])
     assert len(new) == 3 and budgets == pytest.approx([0.25, 0.125, 0.0625])
     assert additions[1] == {("dense", "int8_from_float32"): pytest.approx(0.2)}  # 0.4 observed - 0.2 predicted
+
+
+def test_a_uniform_policy_within_budget_anchors_one_more_map_solved_without_float32_where_it_reaches(monkeypatch):
+    """After the repair rounds, the fastest uniform policy (by the latency model) that met the
+    budget anchors one more solve: float32 is taken away from the layers it covers. A solution
+    equal to that uniform policy is not scored again."""
+    from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+
+    from autopolicy.search import verify  # pylint: disable=import-outside-toplevel
+
+    seen = []
+
+    def problem(latency, accuracy, budget, memory_budget, added, calibration, no_reference=()):
+        seen.append(set(no_reference))
+        return SimpleNamespace(layers=(), budget=budget, memory_budget=memory_budget)
+
+    class Solution:
+        accuracy_cost = 0.1
+
+        def __init__(self, assignment):
+            self.assignment = assignment
+
+        def policies(self, layers):
+            return self.assignment
+
+    def uniform(name, metric):
+        return SimpleNamespace(uniform=name, metric=metric, disqualified=(), excluded="",
+                               assignment={"a": name, "b": name, "norm": "float32"})
+
+    uniforms = [uniform("float32", 0.0), uniform("gptq", 0.05), uniform("int8", 0.4), uniform("int4", 0.2)]
+    speed = {"float32": 3.0, "gptq": 2.0, "int4": 1.0, "int8": 0.5}
+    calibration = SimpleNamespace(predict=lambda latency, assignment: speed[assignment["a"]])
+    ctx = SimpleNamespace(progress=False, max_rounds=3, budget=SimpleNamespace(
+        allowed_drop=0.25, memory_budget=None, drop=lambda metric: metric, meets=lambda metric: metric <= 0.25))
+    monkeypatch.setattr(verify, "make_problem", problem)
+    monkeypatch.setattr(verify, "_verified", lambda ctx, models, index, p, s: SimpleNamespace(
+        assignment=s.policies(()), meets_budget=True, metric=0.1, round=index))
+
+    def run(*assignments):
+        seen.clear()
+        solutions = iter(assignments)
+        monkeypatch.setattr(verify.solver, "solve", lambda layers, budget, memory: Solution(next(solutions)))
+        return verify.solve_and_verify(ctx, None, None, {}, [], calibration, uniforms)
+
+    mixed = {"a": "int8", "b": "float32", "norm": "float32"}
+    anchored = {"a": "int8", "b": "int4", "norm": "float32"}
+    new = run(mixed, anchored)
+    # int8 is predicted fastest but missed the budget; int4 beats gptq: it anchors.
+    assert seen == [set(), {"a", "b"}]
+    assert [n.assignment for n in new] == [mixed, anchored] and new[1].round == 2
+    assert [n.assignment for n in run(mixed, uniforms[3].assignment)] == [mixed]  # that is uniform int4
+    assert len(seen) == 2
+    assert verify._anchor(ctx, None, calibration, uniforms[:3]).uniform == "gptq"
+    assert verify._anchor(ctx, None, calibration, [uniforms[0], uniforms[2]]) is None  # none but float32 met it

@@ -301,7 +301,8 @@ def tune(
                             {u.uniform: ctx.budget.drop(u.metric) for u in uniform_configs[1:] if u.metric is not None})
                 if accuracy is not None:
                     with phase("verify"):
-                        tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
+                        tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration,
+                                                         uniform_configs)
                     if not any(t.meets_budget for t in tried) and profile_accuracy == "auto":
                         accuracy = None  # the estimates misled: measure one layer at a time
             if accuracy is None:
@@ -309,7 +310,8 @@ def tune(
                     accuracy = accuracy_phase.measure_accuracy(ctx, latency,
                                                                every_candidate=profile_accuracy == "always")
                 with phase("verify"):
-                    tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration)
+                    tried += verify.solve_and_verify(ctx, latency, accuracy, models, tried, calibration,
+                                                     uniform_configs)
             with phase("end-to-end rounds"):
                 winner, entries, report_only, decisions = verify.choose(ctx, latency, tried, uniform_configs,
                                                                         models, e2e)
