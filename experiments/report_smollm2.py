@@ -201,7 +201,8 @@ def main(argv=None) -> None:
             policies, kernels, summary = tuned_from_run(run)
             if label is None:
                 budget = summary["budget"]
-                label = (f"tuned, {budget['memory_budget'] / 1e6:.0f} MB budget, "
+                memory = budget.get("memory_budget")
+                label = ("tuned, " + (f"{memory / 1e6:.0f} MB budget, " if memory else "") +
                          f"max rise {100 * budget['max_drop']:.0f}%")
             summaries[label] = summary
             specs[label] = (policies, kernels)

@@ -4,7 +4,6 @@ imported only here, lazily)."""
 from __future__ import annotations
 
 import collections
-
 import json
 import math
 from typing import Any, Sequence

@@ -218,13 +218,13 @@ def score_uniforms(ctx: Context, accuracy: AccuracyProfile, uniform_configs: lis
                    models: Models) -> list[Configuration]:
     """``uniform_configs`` with the metric of each uniform policy that has per-layer estimates in
     ``accuracy`` (built, not disqualified), scored end to end now: what the estimates of its
-    layers should add up to (first_order.calibrate). The final choice reuses these scores."""
+    layers should add up to (first_order.calibrate), over the memory budget or not. The final
+    choice reuses these scores."""
     scored = []
     for u in uniform_configs:
         estimated = any(acc.status == Status.FIRST_ORDER for row in accuracy.entries.values()
                         for name, acc in row.items() if name == u.uniform)
-        if (u.metric is None and estimated and not u.disqualified and u.name in models
-                and not (u.excluded and not u.excluded.startswith("over the memory budget"))):
+        if u.metric is None and estimated and not u.disqualified and u.name in models:  # built
             try:
                 u = u.with_(metric=_evaluate(ctx, u.name, u.policy_map, models[u.name]))
             except Exception as e:  # pylint: disable=broad-except
