@@ -67,9 +67,13 @@ def test_a_ray_actor_killed_mid_task_loses_nothing(tiny, local_result, ray_execu
     _, fidelity, _ = tiny
 
     def dies_once(m):
-        if os.getpid() != target and not os.path.exists(marker):
-            open(marker, "w").close()
-            os._exit(1)  # the actor's process dies in the middle of scoring
+        if os.getpid() != target:
+            try:  # O_EXCL: of two actors scoring at once, exactly one creates the marker and dies
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                os._exit(1)  # the actor's process dies in the middle of scoring
         return fidelity(m)
 
     before = ray_executor.worker_pids()
