@@ -24,6 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import smollm2  # noqa: E402
 
 from autopolicy import nn  # noqa: E402
+from autopolicy.numerics import cpu_kernels  # noqa: E402
 from autopolicy.nn import generation  # noqa: E402
 
 
@@ -53,6 +54,9 @@ def main(argv=None) -> None:
     parser.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16", "int8_from_float32"],
                         help="uniform policies; POLICY@KERNEL runs every layer that has KERNEL with it "
                              "(int8_from_float32@cpu_ffi: autopolicy's CPU kernels)")
+    parser.add_argument("--compare-spin", action="store_true",
+                        help="also time each POLICY@KERNEL with the CPU kernels' tasks on XLA's pool instead of "
+                             "the kernels' own polling helpers (cpu_kernels.set_spin_us(0)), interleaved")
     args = parser.parse_args(argv)
     model, _, tok = smollm2.load()
     windows = smollm2.windows(tok, "calibration", None)
@@ -67,13 +71,17 @@ def main(argv=None) -> None:
         return calibrated[key]
 
     models = {p: with_policy(model, p, calibrate) for p in args.policies}
+    no_spin = {f"{p} (XLA pool)" for p in args.policies if "@" in p} if args.compare_spin else set()
+    models.update({p: models[p.removesuffix(" (XLA pool)")] for p in sorted(no_spin)})
     token, start, _ = smollm2.decode_input(model, args.cache)
     token, start = jnp.asarray(token[:, 0]), jnp.asarray(start)
     # decode_step donates its cache: each model threads its own (every step writes the same
     # position, so each times the same work).
-    caches = {p: model.init_cache(1, args.cache) for p in args.policies}
+    caches = {p: model.init_cache(1, args.cache) for p in models}
 
     def step(p, m):
+        if no_spin:
+            cpu_kernels.set_spin_us(0 if p in no_spin else None)
         # Untimed steps first: the model that ran before left its own weights in the caches, and a
         # generation runs one model step after step (on a CPU whose last-level cache holds the
         # quantized weights, its steady state is the figure that matters).
@@ -100,7 +108,7 @@ def main(argv=None) -> None:
         s = np.asarray(s)
         q1, med, q3 = np.percentile(s, [25, 50, 75]) * 1e3
         r1, rm, r3 = np.percentile(base / s, [25, 50, 75])
-        print(f"{p:24s} {med:7.2f} ms [{q1:.2f}, {q3:.2f}]  {1e3 / med:6.1f} tokens/s  "
+        print(f"{p:36s} {med:7.2f} ms [{q1:.2f}, {q3:.2f}]  {1e3 / med:6.1f} tokens/s  "
               f"x{rm:.2f} [{r1:.2f}, {r3:.2f}] vs {args.policies[0]}")
 
 

@@ -305,6 +305,51 @@ def test_the_serial_threshold_changes_no_result(k, n):
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 64])
+def test_the_kernels_own_helpers_change_no_result(rows):
+    """The polling helpers (the default) and XLA's pool (spin 0) split the same tasks: equal
+    outputs, for int8, int4 and the weight-only product, at batch 1 (GEMV) and 64 (GEMM); also
+    from two Python threads calling at once (one job may replace the other's: each caller still
+    finishes its own tasks)."""
+    import concurrent.futures
+
+    default = cpu_kernels.spin_us()
+    assert default == 500
+    k, n = 1536, 576
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(_float_input(rows, k, k, adversarial=False))
+    q, w_scale = _int8_kernel(k, n, n, adversarial=False)
+    packed = int4.pack_int4(jnp.asarray(rng.integers(-8, 8, (k, n)).astype(np.int8)))
+    scale = jnp.asarray(rng.uniform(0.01, 1.0, (k // 32, n)).astype(np.float32))
+    wq = jnp.asarray(rng.integers(0, 256, (n, k)).astype(np.uint8))
+    ws = jnp.asarray(rng.uniform(0.01, 0.1, (n, k // 128)).astype(np.float32))
+    wz = jnp.asarray(rng.integers(0, 256, (n, k // 128)).astype(np.uint8))
+    g_idx = jnp.asarray((np.arange(k) // 128).astype(np.float32))
+    fn = jax.jit(lambda a: (cpu_kernels.int8_dense(a, q, w_scale), cpu_kernels.int4_dense(a, packed, scale, 32),
+                            cpu_weight_only.weight_only_matmul(a, wq, ws, wz, 8, 128, g_idx)))
+    results = {}
+    try:
+        for us in (0, 2000, None):
+            cpu_kernels.set_spin_us(us)
+            assert cpu_kernels.spin_us() == (default if us is None else us)
+            results[us] = [np.asarray(y) for y in fn(x)]
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                results[(us, "threads")] = [[np.asarray(y) for y in f.result()]
+                                            for f in [pool.submit(fn, x) for _ in range(4)]]
+    finally:
+        cpu_kernels.set_spin_us(None)
+    assert cpu_kernels.spin_us() == default
+    assert all(np.abs(y).max() > 0 for y in results[0])
+    runs = [results[us] for us in (2000, None)] + [out for us in (0, 2000, None) for out in results[(us, "threads")]]
+    assert len(runs) == 14
+    for got in runs:
+        for ours, xla in zip(got, results[0], strict=True):
+            np.testing.assert_array_equal(ours, xla)
+    with pytest.raises(ValueError, match=r"us must be >= 0 \(or None for the default\). Received: us=-1"):
+        cpu_kernels.set_spin_us(-1)
+
+
+@needs_kernels
 def test_the_fused_calls_name_bad_operands():
     x, q, s = jnp.ones((2, 4)), jnp.ones((4, 3), jnp.int8), jnp.ones((1, 3))
     with pytest.raises(ValueError, match=r"int8_dense: x must be a 2-D array of one of \('float32', 'bfloat16'\). "

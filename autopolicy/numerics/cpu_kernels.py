@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
            "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "serial_max_bytes",
-           "set_serial_max_bytes", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "DENSE_DTYPES",
+           "set_serial_max_bytes", "spin_us", "set_spin_us", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "DENSE_DTYPES",
            "notice_once"]
 
 #: Set to 1 to leave the kernels out (as on a machine without a compiler).
@@ -75,6 +75,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.autopolicy_cpu_set_gemm_min_rows.argtypes = [ctypes.c_int64]
         lib.autopolicy_cpu_serial_max_bytes.restype = ctypes.c_int64
         lib.autopolicy_cpu_set_serial_max_bytes.argtypes = [ctypes.c_int64]
+        lib.autopolicy_cpu_spin_us.restype = ctypes.c_int64
+        lib.autopolicy_cpu_set_spin_us.argtypes = [ctypes.c_int64]
     except (OSError, AttributeError) as e:
         return None, f"{os.path.basename(file)} failed to load: {e}"
     return lib, None
@@ -163,6 +165,27 @@ def set_serial_max_bytes(nbytes: int | None) -> None:
     if nbytes is not None and int(nbytes) < 0:
         raise ValueError(f"nbytes must be >= 0 (or None for the default). Received: nbytes={nbytes!r}")
     _lib().autopolicy_cpu_set_serial_max_bytes(-1 if nbytes is None else int(nbytes))
+
+
+def spin_us() -> int:
+    """How long (microseconds) the kernels' own helper threads poll for the next call after each
+    one before they sleep. A decoder calls a kernel per layer, tens of microseconds apart, with
+    XLA's own ops between; a helper still polling takes its share at once, where a sleeping thread
+    of XLA's pool took 50 us to wake on a 2-core VM. 0: no helpers of ours, XLA's pool as before."""
+    return int(_lib().autopolicy_cpu_spin_us())
+
+
+def set_spin_us(us: int | None) -> None:
+    """Sets :func:`spin_us` (``AUTOPOLICY_CPU_SPIN_US`` sets it at load); 0 hands the calls' tasks
+    to XLA's pool instead, None restores the default. Takes effect at once, compiled programs
+    included.
+
+    Raises:
+      ValueError: for a negative ``us``.
+    """
+    if us is not None and int(us) < 0:
+        raise ValueError(f"us must be >= 0 (or None for the default). Received: us={us!r}")
+    _lib().autopolicy_cpu_set_spin_us(-1 if us is None else int(us))
 
 
 def _check(x: jax.Array, w: jax.Array, w_dtype: str, what: str) -> None:

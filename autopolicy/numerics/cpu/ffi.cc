@@ -1,6 +1,7 @@
 // The XLA FFI binding: checks shapes and dtypes (naming the bad one), splits the output columns
-// over XLA's own intra-op thread pool (the caller takes its share too; calls too small to pay
-// for a pool thread run on the caller alone), and runs the current path's kernel. The dense
+// over as many threads as XLA's intra-op pool has (the package's own polling helpers, helpers.cc,
+// or XLA's pool itself with AUTOPOLICY_CPU_SPIN_US=0; the caller takes its share too; calls too
+// small to pay for a second thread run on the caller alone), and runs the current path's kernel. The dense
 // targets take the float input and return the float output: the row quantization before and
 // the rescale (and bias) after run here too (quantize.cc), not as XLA ops around the call. No
 // state across calls.
@@ -27,8 +28,9 @@ constexpr int64_t kSlabs = 8, kSlabRows = 256, kSlabMaxRows = 4;
 // Rescaled outputs (rows x columns) up to this many run on the calling thread alone.
 constexpr int64_t kSerialEpilogue = 1 << 16;
 
-// Where a call's tasks run: on XLA's pool and the calling thread, or (serial) on the calling
-// thread alone, for work too small to pay for waking a pool thread.
+// Where a call's tasks run: on helpers (ours or XLA's pool's, as many as XLA's pool has threads
+// but one) and the calling thread, or (serial) on the calling thread alone, for work too small to
+// pay for a second thread.
 struct Runner {
   ffi::ThreadPool* pool;
   bool serial;
@@ -39,7 +41,7 @@ Runner runner_for(ffi::ThreadPool& pool, int64_t work_bytes) {
   return Runner{&pool, work_bytes <= serial_max_bytes()};
 }
 
-// Runs body(t) for t in [0, tasks), on the pool and the calling thread. The caller never waits
+// Runs body(t) for t in [0, tasks), on the helpers and the calling thread. The caller never waits
 // for a task that has not started: tasks are claimed from a counter, and the caller waits only
 // for claimed tasks to finish.
 template <typename Body>
@@ -60,7 +62,8 @@ void parallel_tasks(const Runner& run_on, int64_t tasks, Body body) {
     }
   };
   const int64_t helpers = std::min<int64_t>(tasks, run_on.threads()) - 1;
-  for (int64_t t = 0; t < helpers; ++t) run_on.pool->Schedule([run]() { run(); });
+  if (!offer_to_helpers(helpers, std::make_shared<const std::function<void()>>(run)))
+    for (int64_t t = 0; t < helpers; ++t) run_on.pool->Schedule([run]() { run(); });
   run();
   while (state->done.load() < tasks) std::this_thread::yield();
 }
@@ -350,4 +353,6 @@ int64_t autopolicy_cpu_gemm_min_rows(int int4) { return autopolicy_cpu::gemm_min
 void autopolicy_cpu_set_gemm_min_rows(int64_t rows) { autopolicy_cpu::set_gemm_min_rows(rows); }
 int64_t autopolicy_cpu_serial_max_bytes() { return autopolicy_cpu::serial_max_bytes(); }
 void autopolicy_cpu_set_serial_max_bytes(int64_t bytes) { autopolicy_cpu::set_serial_max_bytes(bytes); }
+int64_t autopolicy_cpu_spin_us() { return autopolicy_cpu::spin_us(); }
+void autopolicy_cpu_set_spin_us(int64_t us) { autopolicy_cpu::set_spin_us(us); }
 }

@@ -1,6 +1,8 @@
 // The XLA FFI binding of the weight-only product (weight_only.h): checks shapes (naming the bad
 // operand) and g_idx, sums x over each group once, and runs the current path's kernel over the
-// output rows (weight_only_any_groups where g_idx is not k / group: GPTQ's act-order), split over XLA's intra-op thread pool when the weights are large enough to repay the
+// output rows (weight_only_any_groups where g_idx is not k / group: GPTQ's act-order), split
+// over as many threads as XLA's intra-op pool has (the package's polling helpers, helpers.cc, or
+// XLA's pool with AUTOPOLICY_CPU_SPIN_US=0) when the weights are large enough to repay the
 // hand-off (smaller products stay on the calling thread). No state across calls.
 #include <algorithm>
 #include <atomic>
@@ -25,7 +27,7 @@ namespace {
 // Output rows per task (even: a packed byte row is never split).
 constexpr int64_t kRowsPerTask = 64;
 
-// Runs part(p) for p in [0, parts) on the calling thread and up to threads - 1 of the pool's;
+// Runs part(p) for p in [0, parts) on the calling thread and up to threads - 1 helpers;
 // parts are claimed from a shared counter, so the caller only waits for parts already started.
 template <typename Part>
 void share_parts(ffi::ThreadPool& pool, int64_t parts, int64_t threads, Part part) {
@@ -40,7 +42,8 @@ void share_parts(ffi::ThreadPool& pool, int64_t parts, int64_t threads, Part par
       progress->finished.fetch_add(1);
     }
   };
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([worker]() { worker(); });
+  if (!offer_to_helpers(threads - 1, std::make_shared<const std::function<void()>>(worker)))
+    for (int64_t t = 1; t < threads; ++t) pool.Schedule([worker]() { worker(); });
   worker();
   while (progress->finished.load() < parts) std::this_thread::yield();
 }

@@ -15,6 +15,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
 
 #include "weight_only.h"
 
@@ -100,6 +102,16 @@ void rescale_int4(const float* y, int64_t m, int64_t n, const float* x_scale, co
 // AUTOPOLICY_CPU_SERIAL_BYTES does at load.
 int64_t serial_max_bytes();
 void set_serial_max_bytes(int64_t bytes);
+
+// The package's own helper threads (helpers.cc), which poll for the next call for spin_us()
+// microseconds after each one before they sleep. offer_to_helpers(helpers, job) has up to
+// `helpers` of them run job() (each at most once; the caller must not depend on any of them
+// running it: jobs claim their tasks from a counter) and returns true, or returns false and does
+// nothing when spin_us() is 0 (AUTOPOLICY_CPU_SPIN_US=0: XLA's pool is used instead).
+// set_spin_us sets it (< 0 restores the default), as AUTOPOLICY_CPU_SPIN_US does at load.
+int64_t spin_us();
+void set_spin_us(int64_t us);
+bool offer_to_helpers(int64_t helpers, std::shared_ptr<const std::function<void()>> job);
 
 // The portable reference path (plain C++).
 void int8_portable(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1,
