@@ -453,3 +453,52 @@ def test_a_uniform_policy_within_budget_anchors_one_more_map_solved_without_floa
     assert len(seen) == 2
     assert verify._anchor(ctx, None, calibration, uniforms[:3]).uniform == "gptq"
     assert verify._anchor(ctx, None, calibration, [uniforms[0], uniforms[2]]) is None  # none but float32 met it
+
+
+def test_an_anchored_map_that_misses_the_budget_is_repaired_with_a_smaller_one(monkeypatch):
+    """The anchored solve gets the plain solve's repair rounds: a miss (0.3 against 0.25, 0.1
+    predicted) shrinks the next anchored solve's budget by predicted / observed, float32 still
+    taken away where the anchor reaches; the repaired map that meets the budget ends them."""
+    from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+
+    from autopolicy.search import verify  # pylint: disable=import-outside-toplevel
+
+    seen = []
+
+    def problem(latency, accuracy, budget, memory_budget, added, calibration, no_reference=()):
+        seen.append((round(budget, 6), set(no_reference), dict(added)))
+        return SimpleNamespace(layers=(), budget=budget, memory_budget=memory_budget)
+
+    class Solution:
+        accuracy_cost = 0.1
+
+        def __init__(self, assignment):
+            self.assignment = assignment
+
+        def policies(self, layers):
+            return self.assignment
+
+    def uniform(name, metric):
+        return SimpleNamespace(uniform=name, metric=metric, disqualified=(), excluded="",
+                               assignment={"a": name, "b": name})
+
+    uniforms = [uniform("float32", 0.0), uniform("gptq", 0.05)]
+    calibration = SimpleNamespace(predict=lambda latency, assignment: 1.0)
+    ctx = SimpleNamespace(progress=False, max_rounds=3, budget=SimpleNamespace(
+        allowed_drop=0.25, memory_budget=None, drop=lambda metric: metric, meets=lambda metric: metric <= 0.25))
+    plain = {"a": "int8", "b": "float32"}
+    missed, repaired = {"a": "int8", "b": "int8"}, {"a": "int8", "b": "gptq"}
+    metric = {str(plain): 0.2, str(missed): 0.3, str(repaired): 0.24}
+    solutions = iter([plain, missed, repaired])
+    monkeypatch.setattr(verify, "make_problem", problem)
+    monkeypatch.setattr(verify.solver, "solve", lambda layers, budget, memory: Solution(next(solutions)))
+    monkeypatch.setattr(verify, "_verified", lambda ctx, models, index, p, s: SimpleNamespace(
+        assignment=s.policies(()), metric=metric[str(s.policies(()))],
+        meets_budget=metric[str(s.policies(()))] <= 0.25, round=index,
+        changed={k: v for k, v in s.policies(()).items() if v != "float32"}))
+    new = verify.solve_and_verify(ctx, None, None, {}, [], calibration, uniforms)
+    assert [n.assignment for n in new] == [plain, missed, repaired]
+    assert [n.round for n in new] == [1, 2, 3]
+    excess = (0.3 - 0.1) / 2  # the miss's excess over its two changed layers
+    assert seen == [(0.25, set(), {}), (0.25, {"a", "b"}, {}),
+                    (round(0.25 * 0.1 / 0.3, 6), {"a", "b"}, {("a", "int8"): excess, ("b", "int8"): excess})]

@@ -8,9 +8,11 @@ int8 inputs quantized by the caller; :func:`int8_dense` and :func:`int4_dense` (
 call) take the float input and do the whole layer in one call: the per-row quantization, the
 integer product, the rescale and an optional bias, each in the same float32 operations as the
 package's XLA path, so the outputs equal it bit for bit. At batch 1 on small layers the separate
-XLA ops around the call cost as much as the product. Work is split over XLA's own intra-op
-thread pool (the FFI's ``ThreadPool`` context), so no thread of ours outlives a call; calls whose
-weights are below :func:`serial_max_bytes` run on the calling thread alone.
+XLA ops around the call cost as much as the product. Work is split over as many threads as XLA's
+intra-op pool has: the calling thread and the library's own helpers, which poll for the next call
+for :func:`spin_us` microseconds before they sleep (or XLA's pool itself, with
+``set_spin_us(0)``); calls whose weights are below :func:`serial_max_bytes` run on the calling
+thread alone.
 
 Without the library (no compiler at install, or ``AUTOPOLICY_DISABLE_CPU_KERNELS=1``) nothing
 fails: :data:`AVAILABLE` is False, :func:`unavailable_reason` says why, and the search times the
@@ -149,8 +151,8 @@ def set_gemm_min_rows(rows: int | None) -> None:
 
 def serial_max_bytes() -> int:
     """The work below which a call runs on the calling thread alone: weight bytes (int4: packed)
-    times rows of x. Above it the columns (or K slabs, or tiles) are split over XLA's thread pool;
-    below it, waking a pool thread and waiting for it costs more than the share it would take."""
+    times rows of x. Above it the columns (or K slabs, or tiles) are split over the helper threads;
+    below it, handing a share to another thread costs more than the share."""
     return int(_lib().autopolicy_cpu_serial_max_bytes())
 
 

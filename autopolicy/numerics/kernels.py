@@ -138,7 +138,7 @@ INT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
         available=functools.partial(int8.int8_kernel_available, "cpu_ffi"),
         exact=True,
         summary="autopolicy's own CPU kernel through the XLA FFI (AVX2 or portable, chosen at run time): "
-                "the weights streamed once, sign-extended pairs through vpmaddwd, on XLA's thread pool",
+                "the weights streamed once, sign-extended pairs through vpmaddwd, on the caller and polling helper threads",
         needs_library=True,
     ),
 )

@@ -134,8 +134,8 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
     spread over the layers it changed (that map, over the budget as observed, is not proposed
     again). Maps in ``tried`` are not verified again; the new configurations are returned.
 
-    Then, when a uniform policy of ``uniform_configs`` was scored within the budget, one more
-    map: solved from that policy up (see :func:`_anchor`)."""
+    Then, when a uniform policy of ``uniform_configs`` was scored within the budget, maps solved
+    from that policy up (see :func:`_anchor`), repaired the same way in up to as many rounds."""
     added: dict = {}
     shrink = 1.0
     new: list[Configuration] = []
@@ -155,23 +155,29 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
         new.append(entry)
         return entry, solution
 
-    for offset in progress(ctx.progress, range(ctx.max_rounds), "solve and verify"):
-        verified = attempt(len(tried) + offset + 1)
-        if verified is None:
-            break
-        entry, solution = verified
-        if entry.meets_budget or not math.isfinite(entry.metric):
-            break
-        drop = ctx.budget.drop(entry.metric)  # in the metric's direction: a rise when lower is better
-        changed = list(entry.changed.items())
-        excess = drop - solution.accuracy_cost
-        if drop > 0 and solution.accuracy_cost > 0:
-            shrink *= min(1.0, solution.accuracy_cost / drop)
-        for pair in changed:
-            added[pair] = added.get(pair, 0.0) + max(excess, 0.0) / len(changed)
+    def repair_rounds(what: str, no_reference: Collection[str] = ()) -> None:
+        nonlocal shrink
+        for _ in progress(ctx.progress, range(ctx.max_rounds), what):
+            verified = attempt(len(tried) + len(new) + 1, no_reference)
+            if verified is None:
+                break
+            entry, solution = verified
+            if entry.meets_budget or not math.isfinite(entry.metric):
+                break
+            drop = ctx.budget.drop(entry.metric)  # in the metric's direction: a rise when lower is better
+            changed = list(entry.changed.items())
+            excess = drop - solution.accuracy_cost
+            if drop > 0 and solution.accuracy_cost > 0:
+                shrink *= min(1.0, solution.accuracy_cost / drop)
+            for pair in changed:
+                added[pair] = added.get(pair, 0.0) + max(excess, 0.0) / len(changed)
+
+    repair_rounds("solve and verify")
     anchor = _anchor(ctx, latency, calibration, uniform_configs)
     if anchor is not None:
-        attempt(len(tried) + len(new) + 1, {p for p, name in anchor.assignment.items() if name == anchor.uniform})
+        # Repaired as the plain solve is, what its misses taught kept: on SmolLM2 (2-core Xeon) the
+        # anchored map missed +2% by 0.2 points where the plain one kept 60 projections in float32.
+        repair_rounds("anchored solve", {p for p, name in anchor.assignment.items() if name == anchor.uniform})
     return new
 
 
