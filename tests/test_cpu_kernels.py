@@ -461,3 +461,50 @@ def test_the_device_command_names_the_cpu_and_kernels(capsys):
     ffi = ", cpu_ffi" if cpu_weight_only.AVAILABLE and jax.device_count() == 1 else ""
     assert out[7] == f"gptq kernels timed by the search here: xla{ffi} (default without a measurement: xla)"
     assert out[-1].startswith(f"jax {jax.__version__}, jaxlib ")
+
+
+def _attention_ref(q, keys, values, position):
+    q, keys, values = (np.asarray(a, np.float64) for a in (q, keys, values))
+    n = position + 1
+    logits = np.einsum("bhgd,bhds->bhgs", q, keys[..., :n])
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhgs,bhsd->bhgd", p, values[:, :, :n])
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [8, 64])
+def test_decode_attention_matches_a_float64_reference(d):
+    """Batch 2, 2 key/value heads of 3 query heads each, cache 20: the first, a middle and the last
+    position (entries past the position, here large, must be left out)."""
+    rng = np.random.default_rng(d)
+    b, h, g, length = 2, 2, 3, 20
+    q = rng.standard_normal((b, h, g, d)).astype(np.float32) / np.sqrt(d)
+    keys = rng.standard_normal((b, h, d, length)).astype(np.float32)
+    values = rng.standard_normal((b, h, length, d)).astype(np.float32)
+    fn = jax.jit(cpu_kernels.decode_attention)
+    for position in (0, 7, length - 1):
+        k, v = keys.copy(), values.copy()
+        k[..., position + 1:], v[:, :, position + 1:] = 50.0, 50.0  # not yet written: must not count
+        got = np.asarray(fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(position, jnp.int32)))
+        assert got.shape == (b, h, g, d) and got.dtype == np.float32
+        np.testing.assert_allclose(got, _attention_ref(q, k, v, position), rtol=1e-5, atol=1e-6)
+    at_zero = np.asarray(fn(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(0, jnp.int32)))
+    np.testing.assert_allclose(at_zero, np.broadcast_to(values[:, :, :1], (b, h, g, d)), rtol=1e-6)  # one entry: it
+
+
+@needs_kernels
+def test_decode_attention_names_bad_operands():
+    q, k, v = jnp.ones((1, 2, 3, 8)), jnp.ones((1, 2, 8, 16)), jnp.ones((1, 2, 16, 8))
+    pos = jnp.asarray(3, jnp.int32)
+    with pytest.raises(ValueError, match=r"for q \(1, 2, 3, 8\) the keys must be \(1, 2, 8, 'max_length'\) and the "
+                                         r"values \(1, 2, 'max_length', 8\). Received: \(1, 2, 16, 8\), \(1, 2, 16, 8\)"):
+        cpu_kernels.decode_attention(q, v, v, pos)
+    with pytest.raises(ValueError, match=r"must be float32. Received: bfloat16, float32, float32"):
+        cpu_kernels.decode_attention(q.astype(jnp.bfloat16), k, v, pos)
+    with pytest.raises(ValueError, match=r"head_dim must be at most 256. Received: 300"):
+        cpu_kernels.decode_attention(jnp.ones((1, 1, 1, 300)), jnp.ones((1, 1, 300, 4)), jnp.ones((1, 1, 4, 300)), pos)
+    with pytest.raises(ValueError, match=r"must be 4-D"):
+        cpu_kernels.decode_attention(q[0], k, v, pos)
+    with pytest.raises(Exception, match=r"the position 16 is outside the cache \[0, 16\)"):
+        jax.block_until_ready(jax.jit(cpu_kernels.decode_attention)(q, k, v, jnp.asarray(16, jnp.int32)))

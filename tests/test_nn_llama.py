@@ -399,3 +399,25 @@ def test_the_tuner_keys_a_nested_sample_input_of_unlike_shapes_by_its_leaves(sma
     cache = small.init_cache(1, 16)
     assert _input_shape(cache) == [[1, 2, 4, 16], [1, 2, 16, 4]] * 2
     assert _input_shape(np.zeros((1, 1), np.int32)) == [1, 1] and _input_shape(np.asarray(5)) == []
+
+
+def test_a_decode_step_runs_the_cpu_attention_kernel_and_equals_xla(small, monkeypatch):
+    """Where the CPU kernels are built, a float32 decode step's attention is one FFI call
+    (cpu_kernels.decode_attention); AUTOPOLICY_XLA_ATTENTION=1 keeps XLA's ops. Same logits
+    within float32 rounding, at a middle position of a partly written cache."""
+    from autopolicy.numerics import cpu_kernels  # pylint: disable=import-outside-toplevel
+
+    if not cpu_kernels.AVAILABLE:
+        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+    ids = jnp.array([[3, 17, 5, 39, 0, 8]], jnp.int32)
+    _, cache = generation.prefill(small, small.init_cache(1, 16), ids[:, :5])
+    outputs, programs = {}, {}
+    for env in ("0", "1"):
+        monkeypatch.setenv("AUTOPOLICY_XLA_ATTENTION", env)
+        step = jax.jit(lambda m, c, x, s: m(x, start=s, cache=c))  # traced afresh: the variable is read then
+        args = (small, cache, ids[:, 5:6], jnp.asarray(5, jnp.int32))
+        programs[env] = step.lower(*args).as_text()
+        outputs[env] = np.asarray(step(*args)[0])
+    assert "autopolicy_decode_attention" in programs["0"] and "autopolicy_decode_attention" not in programs["1"]
+    assert np.abs(outputs["1"]).max() > 0
+    np.testing.assert_allclose(outputs["0"], outputs["1"], rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -185,6 +186,12 @@ class LlamaAttention(Module):
         q = q * jnp.asarray(1.0 / math.sqrt(self.head_dim), q.dtype)
         kc, vc = keys.astype(q.dtype), values.astype(q.dtype)
         acc = accumulation_dtype(q.dtype)
+        if time == 1 and cache is not None and _ffi_attention(q, kc, vc):
+            # The package's CPU kernel: the same sums and softmax in one call (cpu_kernels.decode_attention).
+            out = _cpu_kernels().decode_attention(q[:, 0], kc, vc, offset)  # (b, k, g, d)
+            out = out[:, None].reshape(batch, time, self.heads, self.head_dim)
+            out = self.attention_output(out)
+            return out, (keys, values)
         if time == 1:
             # A decode step: both products as an elementwise product and a sum, which XLA fuses into
             # loops over the caches where they lie. As dots, XLA copied a cache transposed first
@@ -204,6 +211,27 @@ class LlamaAttention(Module):
         out = out.reshape(batch, time, self.heads, self.head_dim)
         out = self.attention_output(out)
         return out if cache is None else (out, (keys, values))
+
+
+#: Set to 1 to run a decode step's attention as XLA ops even where the CPU kernel is available.
+XLA_ATTENTION_ENV = "AUTOPOLICY_XLA_ATTENTION"
+
+
+def _cpu_kernels():
+    from autopolicy.numerics import cpu_kernels  # pylint: disable=import-outside-toplevel
+
+    return cpu_kernels
+
+
+def _ffi_attention(q: jax.Array, kc: jax.Array, vc: jax.Array) -> bool:
+    """Whether a decode step's attention runs the package's CPU kernel: float32 throughout, the
+    kernels built, the default backend a CPU, and neither ``AUTOPOLICY_XLA_ATTENTION=1`` nor
+    ``AUTOPOLICY_DISABLE_CPU_KERNELS=1`` set (both keep XLA's ops). Read when a step is traced."""
+    if not (q.dtype == kc.dtype == vc.dtype == jnp.float32) or q.shape[-1] > 256:
+        return False
+    if jax.default_backend() != "cpu" or os.environ.get(XLA_ATTENTION_ENV, "").strip() not in ("", "0"):
+        return False
+    return _cpu_kernels().AVAILABLE
 
 
 class LlamaMLP(Module):

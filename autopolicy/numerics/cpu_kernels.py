@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
            "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "serial_max_bytes",
-           "set_serial_max_bytes", "spin_us", "set_spin_us", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "DENSE_DTYPES",
+           "set_serial_max_bytes", "spin_us", "set_spin_us", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "decode_attention", "DENSE_DTYPES",
            "notice_once"]
 
 #: Set to 1 to leave the kernels out (as on a machine without a compiler).
@@ -45,6 +45,7 @@ DISABLE_ENV = "AUTOPOLICY_DISABLE_CPU_KERNELS"
 PATHS = ("avx512_vnni", "avx2", "portable")
 _INT8_TARGET, _INT4_TARGET = "autopolicy_int8_matmul", "autopolicy_int4_matmul"
 _INT8_DENSE, _INT4_DENSE = "autopolicy_int8_dense", "autopolicy_int4_dense"
+_DECODE_ATTENTION = "autopolicy_decode_attention"
 #: The float dtypes :func:`int8_dense` and :func:`int4_dense` take and return.
 DENSE_DTYPES = ("float32", "bfloat16")
 _log = logging.getLogger("autopolicy")
@@ -68,7 +69,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     try:
         lib = ctypes.CDLL(file)
         for target, symbol in ((_INT8_TARGET, lib.AutopolicyInt8Matmul), (_INT4_TARGET, lib.AutopolicyInt4Matmul),
-                               (_INT8_DENSE, lib.AutopolicyInt8Dense), (_INT4_DENSE, lib.AutopolicyInt4Dense)):
+                               (_INT8_DENSE, lib.AutopolicyInt8Dense), (_INT4_DENSE, lib.AutopolicyInt4Dense),
+                               (_DECODE_ATTENTION, lib.AutopolicyDecodeAttention)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         lib.autopolicy_cpu_path.restype = ctypes.c_char_p
         lib.autopolicy_cpu_set_path.argtypes = lib.autopolicy_cpu_path_supported.argtypes = [ctypes.c_char_p]
@@ -308,3 +310,34 @@ def int4_dense(x: jax.Array, packed: jax.Array, scale: jax.Array, block: int, bi
     bias, out = _dense_operands("int4_dense", x, n, bias, out_dtype)
     _lib()
     return jax.ffi.ffi_call(_INT4_DENSE, out)(x, packed, scale, bias, block=int(block))
+
+
+def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, position: jax.Array) -> jax.Array:
+    """One decode step of grouped-query attention over a float32 key/value cache in one call:
+    ``q: (batch, kv_heads, groups, head_dim)`` (already scaled by ``1/sqrt(head_dim)``), ``keys:
+    (batch, kv_heads, head_dim, max_length)``, ``values: (batch, kv_heads, max_length, head_dim)``
+    (:class:`autopolicy.nn.llama`'s cache layouts), ``position``: the int32 index of the newest
+    cached entry; entries past it are left out. Returns ``softmax(q @ keys[..., :position + 1]) @
+    values[:, :, :position + 1]``, ``(batch, kv_heads, groups, head_dim)`` float32, equal to the
+    XLA ops within float32 rounding (the exponentials and the order of the sums differ).
+
+    Raises:
+      ValueError: for shapes that disagree or a head_dim over 256 (at trace time); the call fails
+        for a position outside the cache.
+    """
+    if q.ndim != 4 or keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(f"decode_attention: q, keys and values must be 4-D. Received: {q.shape}, {keys.shape}, "
+                         f"{values.shape}")
+    b, h, g, d = q.shape
+    length = keys.shape[-1]
+    if keys.shape != (b, h, d, length) or values.shape != (b, h, length, d):
+        raise ValueError(f"decode_attention: for q {q.shape} the keys must be {(b, h, d, 'max_length')} and the "
+                         f"values {(b, h, 'max_length', d)}. Received: {keys.shape}, {values.shape}")
+    if d > 256:
+        raise ValueError(f"decode_attention: head_dim must be at most 256. Received: {d}")
+    if not all(a.dtype == jnp.float32 for a in (q, keys, values)):
+        raise ValueError(f"decode_attention: q, keys and values must be float32. Received: {q.dtype}, "
+                         f"{keys.dtype}, {values.dtype}")
+    _lib()
+    pos = jnp.asarray(position, jnp.int32).reshape((1,))
+    return jax.ffi.ffi_call(_DECODE_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(q, keys, values, pos)
