@@ -401,6 +401,18 @@ def test_a_missed_map_shrinks_the_next_rounds_budget_by_predicted_over_observed(
     assert additions[1] == {("dense", "int8_from_float32"): pytest.approx(0.2)}  # 0.4 observed - 0.2 predicted
 
 
+class _FixedSolution:
+    """A solver's solution that assigns what it is given, at a summed cost of 0.1."""
+
+    accuracy_cost = 0.1
+
+    def __init__(self, assignment):
+        self.assignment = assignment
+
+    def policies(self, layers):
+        return self.assignment
+
+
 def test_a_uniform_policy_within_budget_anchors_one_more_map_solved_without_float32_where_it_reaches(monkeypatch):
     """After the repair rounds, the fastest uniform policy (by the latency model) that met the
     budget anchors one more solve: float32 is taken away from the layers it covers. A solution
@@ -414,15 +426,6 @@ def test_a_uniform_policy_within_budget_anchors_one_more_map_solved_without_floa
     def problem(latency, accuracy, budget, memory_budget, added, calibration, no_reference=()):
         seen.append(set(no_reference))
         return SimpleNamespace(layers=(), budget=budget, memory_budget=memory_budget)
-
-    class Solution:
-        accuracy_cost = 0.1
-
-        def __init__(self, assignment):
-            self.assignment = assignment
-
-        def policies(self, layers):
-            return self.assignment
 
     def uniform(name, metric):
         return SimpleNamespace(uniform=name, metric=metric, disqualified=(), excluded="",
@@ -440,7 +443,7 @@ def test_a_uniform_policy_within_budget_anchors_one_more_map_solved_without_floa
     def run(*assignments):
         seen.clear()
         solutions = iter(assignments)
-        monkeypatch.setattr(verify.solver, "solve", lambda layers, budget, memory: Solution(next(solutions)))
+        monkeypatch.setattr(verify.solver, "solve", lambda layers, budget, memory: _FixedSolution(next(solutions)))
         return verify.solve_and_verify(ctx, None, None, {}, [], calibration, uniforms)
 
     mixed = {"a": "int8", "b": "float32", "norm": "float32"}
@@ -469,15 +472,6 @@ def test_an_anchored_map_that_misses_the_budget_is_repaired_with_a_smaller_one(m
         seen.append((round(budget, 6), set(no_reference), dict(added)))
         return SimpleNamespace(layers=(), budget=budget, memory_budget=memory_budget)
 
-    class Solution:
-        accuracy_cost = 0.1
-
-        def __init__(self, assignment):
-            self.assignment = assignment
-
-        def policies(self, layers):
-            return self.assignment
-
     def uniform(name, metric):
         return SimpleNamespace(uniform=name, metric=metric, disqualified=(), excluded="",
                                assignment={"a": name, "b": name})
@@ -491,7 +485,7 @@ def test_an_anchored_map_that_misses_the_budget_is_repaired_with_a_smaller_one(m
     metric = {str(plain): 0.2, str(missed): 0.3, str(repaired): 0.24}
     solutions = iter([plain, missed, repaired])
     monkeypatch.setattr(verify, "make_problem", problem)
-    monkeypatch.setattr(verify.solver, "solve", lambda layers, budget, memory: Solution(next(solutions)))
+    monkeypatch.setattr(verify.solver, "solve", lambda layers, budget, memory: _FixedSolution(next(solutions)))
     monkeypatch.setattr(verify, "_verified", lambda ctx, models, index, p, s: SimpleNamespace(
         assignment=s.policies(()), metric=metric[str(s.policies(()))],
         meets_budget=metric[str(s.policies(()))] <= 0.25, round=index,
