@@ -31,8 +31,8 @@ namespace {
 
 // The head's logits for groups [0, groups) into `logits` (groups x length); k is (d, stride).
 template <int kChunk>
-__attribute__((always_inline)) inline void head_logits(const float* q, int64_t groups, int64_t d, const float* k, int64_t stride, int64_t length,
-                        float* logits) {
+__attribute__((always_inline)) inline void head_logits(const float* q, int64_t groups, int64_t d, const float* k,
+                                                       int64_t stride, int64_t length, float* logits) {
   for (int64_t s0 = 0; s0 < length; s0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, length - s0);
     for (int64_t g = 0; g < groups; ++g) {
@@ -54,7 +54,8 @@ __attribute__((always_inline)) inline void head_logits(const float* q, int64_t g
 
 // out (groups x d) = p (groups x length) @ v (length x d), d <= kMaxD.
 template <int kMaxD>
-__attribute__((always_inline)) inline void head_values(const float* p, int64_t groups, int64_t length, const float* v, int64_t d, float* out) {
+__attribute__((always_inline)) inline void head_values(const float* p, int64_t groups, int64_t length, const float* v,
+                                                       int64_t d, float* out) {
   for (int64_t g = 0; g < groups; ++g) {
     float acc[kMaxD] = {};
     const float* pg = p + g * length;
@@ -155,7 +156,8 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> ke
   if (position.element_count() != 1) return bad("the position must be one int32");
   const int64_t pos = position.typed_data()[0];
   if (pos < 0 || pos >= sh.max_length)
-    return bad("the position " + std::to_string(pos) + " is outside the cache [0, " + std::to_string(sh.max_length) + ")");
+    return bad("the position " + std::to_string(pos) + " is outside the cache [0, " + std::to_string(sh.max_length) +
+               ")");
   if (sh.batch * sh.heads * sh.groups * sh.d == 0) return ffi::Error::Success();
   attend_kernel()(sh, q.typed_data(), keys.typed_data(), values.typed_data(), pos + 1, out->typed_data());
   return ffi::Error::Success();

@@ -13,9 +13,9 @@
 // only for claimed ones. Two callers at once (XLA running two kernels side by side) may replace
 // each other's job; each still finishes its own tasks.
 //
-// After fork() a child has none of the parent's threads: the pool is made anew in a process
-// whose id differs from its maker's (the old one is left, never touched again).
-#include <unistd.h>
+// After fork() a child has none of the parent's threads: a pthread_atfork handler drops the pool
+// there, and the child's first call makes a new one (the old one is left, never touched again).
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -26,6 +26,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "kernels.h"
@@ -51,12 +52,21 @@ inline void relax() {
 
 class Helpers {
  public:
-  explicit Helpers(int count) : pid_(getpid()), count_(count) {
-    for (int i = 0; i < count; ++i) std::thread([this]() { loop(); }).detach();
+  // Starts up to `count` threads (fewer where the system refuses more: the caller does the rest).
+  explicit Helpers(int count) : asked_(count) {
+    for (int i = 0; i < count; ++i) {
+      try {
+        std::thread([this]() { loop(); }).detach();
+      } catch (const std::system_error&) {
+        break;
+      }
+      ++count_;
+    }
   }
 
   int count() const { return count_; }
-  pid_t pid() const { return pid_; }
+  // Whether the system refused some of the threads asked for (no use asking again for more).
+  bool refused() const { return count_ < asked_; }
 
   void publish(std::shared_ptr<const std::function<void()>> job) {
     std::atomic_store(&job_, std::move(job));
@@ -93,8 +103,8 @@ class Helpers {
     }
   }
 
-  const pid_t pid_;
-  const int count_;
+  const int asked_;
+  int count_ = 0;
   std::shared_ptr<const std::function<void()>> job_;
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> sleepers_{0};
@@ -105,16 +115,20 @@ class Helpers {
 std::mutex g_make;
 std::atomic<Helpers*> g_helpers{nullptr};
 
+// In a forked child the helpers' threads are gone (and their mutex may be held): it starts anew.
+void forget_helpers_in_child() { g_helpers.store(nullptr); }
+
 Helpers* helpers_for(int wanted) {
   Helpers* h = g_helpers.load();
-  if (h != nullptr && h->pid() == getpid() && h->count() >= wanted) return h;
+  if (h != nullptr && (h->count() >= wanted || h->refused())) return h;
   std::lock_guard<std::mutex> hold(g_make);
   h = g_helpers.load();
-  if (h != nullptr && h->pid() == getpid() && h->count() >= wanted) return h;
-  // A new pool (more threads wanted, or a forked child); the old one is never freed: its threads
-  // may still hold it.
+  if (h != nullptr && (h->count() >= wanted || h->refused())) return h;
+  static const bool registered = pthread_atfork(nullptr, nullptr, forget_helpers_in_child) == 0;
+  (void)registered;
+  // A new pool (more threads wanted); the old one is never freed: its threads may still hold it.
   const int most = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) - 1);
-  h = new Helpers(std::min(std::max(wanted, h != nullptr && h->pid() == getpid() ? h->count() : 0), most));
+  h = new Helpers(std::min(std::max(wanted, h != nullptr ? h->count() : 0), most));
   g_helpers.store(h);
   return h;
 }
@@ -136,6 +150,7 @@ void set_spin_us(int64_t us) { g_spin_us.store(us < 0 ? kSpinUs : us); }
 bool offer_to_helpers(int64_t helpers, std::shared_ptr<const std::function<void()>> job) {
   if (helpers <= 0 || spin_us() == 0) return false;
   Helpers* h = helpers_for(static_cast<int>(std::min<int64_t>(helpers, 64)));
+  if (h->count() == 0) return false;  // no thread could be started: XLA's pool takes the tasks
   h->publish(std::move(job));
   return true;
 }
