@@ -127,7 +127,7 @@ def test_a_close_call_takes_extra_rounds_up_to_the_budget_then_the_simpler_stays
     winner, log, e2e = _decide({"uniform float32": 10.0, "uniform int8": 6.0, "map (round 1)": 6.0 / 1.02}, cv=0.05)
     assert winner.name == "uniform int8" and "does not replace uniform int8" in log[-1]
     assert e2e.extra_seconds == Ctx.confirm_seconds  # one second per extra batch in the fake
-    assert "over 70 rounds" in log[-1]  # 20 + 5 batches of 10
+    assert "over 150 rounds" in log[-1]  # 20, then 5 batches of half the rounds so far: 10, 15, 22, 33, 50
 
 
 def test_nothing_faster_by_the_margin_keeps_float32():
@@ -496,3 +496,36 @@ def test_an_anchored_map_that_misses_the_budget_is_repaired_with_a_smaller_one(m
     excess = (0.3 - 0.1) / 2  # the miss's excess over its two changed layers
     assert seen == [(0.25, set(), {}), (0.25, {"a", "b"}, {}),
                     (round(0.25 * 0.1 / 0.3, 6), {"a", "b"}, {("a", "int8"): excess, ("b", "int8"): excess})]
+
+
+@pytest.mark.timeout(60)
+def test_a_close_call_stops_when_its_intervals_use_up_the_confirmation_time(monkeypatch):
+    """Rounds that cost nothing but intervals that take time (a model timed in microseconds, a
+    bootstrap over thousands of rounds): the extra rounds stop once the intervals' own time
+    reaches confirm_seconds, and each batch is half the rounds so far (at least the repeats)."""
+    import time  # pylint: disable=import-outside-toplevel
+    from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+
+    from autopolicy.search import verify  # pylint: disable=import-outside-toplevel
+    from autopolicy.search.confidence import Speedup  # pylint: disable=import-outside-toplevel
+
+    asked = []
+
+    class Rounds:
+        extra_seconds = 0.0  # the rounds themselves take no time
+        total = 6
+
+        def speedup(self, a, b):
+            time.sleep(0.02)
+            return Speedup(1.02, 0.9, 1.1, self.total, 0.95)  # straddles the margin every time
+
+        def more(self, configs, rounds):
+            asked.append(rounds)
+            self.total += rounds
+            return True
+
+    ctx = SimpleNamespace(min_speedup=1.02, confirm_seconds=0.1, repeats=4)
+    speedup = verify._challenge(ctx, Rounds(), "map", "uniform")
+    assert speedup.straddles(1.02)
+    assert 3 <= len(asked) <= 8  # about confirm_seconds / 0.02 s of intervals
+    assert asked[:4] == [4, 5, 7, 11]  # max(repeats, rounds so far // 2): 6 -> 10 -> 15 -> 22 rounds
