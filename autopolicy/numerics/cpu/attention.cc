@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -131,19 +132,13 @@ AttendFn attend_kernel() {
 #endif
 }
 
-std::string dims(ffi::Span<const int64_t> d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + ")";
-}
-
 ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                                ffi::Buffer<ffi::S32> position, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
   auto bad = [&](const std::string& what) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "autopolicy decode attention: " + what + "; q " + dims(qd) + ", keys " + dims(kd) +
-                          ", values " + dims(vd));
+                      "autopolicy decode attention: " + what + "; q " + dims_of(qd) + ", keys " + dims_of(kd) +
+                          ", values " + dims_of(vd));
   };
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
     return bad("q must be (batch, kv_heads, groups, head_dim), keys (batch, kv_heads, head_dim, length) and "

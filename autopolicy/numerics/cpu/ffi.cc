@@ -106,11 +106,6 @@ void parallel_tiles(const Runner& run_on, int64_t m, int64_t n, Body body) {
 }
 
 ffi::Error bad(const std::string& what) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, what); }
-std::string dims_of(ffi::Span<const int64_t> d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + (d.size() == 1 ? ",)" : ")");
-}
 
 // acc = xq @ w in int32 for int8 xq (m, k) and w (k, n).
 void int8_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k, const int8_t* wp, int64_t n,

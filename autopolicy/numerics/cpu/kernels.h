@@ -17,6 +17,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "weight_only.h"
 
@@ -112,6 +113,15 @@ void set_serial_max_bytes(int64_t bytes);
 int64_t spin_us();
 void set_spin_us(int64_t us);
 bool offer_to_helpers(int64_t helpers, std::shared_ptr<const std::function<void()>> job);
+
+// An FFI buffer's dimensions as Python writes a shape: "(2, 3)", "(4,)" (for the FFI handlers'
+// error messages; any sequence of integers with size() and operator[]).
+template <typename Dims>
+std::string dims_of(const Dims& d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + (d.size() == 1 ? ",)" : ")");
+}
 
 // The portable reference path (plain C++).
 void int8_portable(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1,
