@@ -150,3 +150,51 @@ def test_identical_nn_layers_of_different_blocks_are_timed_once(monkeypatch):
     latency = profiling.measure_latency(made, sites, MeasurementCache(None), "fingerprint", repeats=3)
     assert timed[:2] == [2, 2] and sum(timed) - timed[-1] == 4  # block_0's layer and the head; then casts
     assert latency.timing("net/block_2/query", "float32") == latency.timing("net/block_0/query", "float32")
+    assert latency.bandwidth is None  # 13 KB of weights stay cached between calls: no streaming floor
+
+
+def test_the_streaming_floor_applies_to_models_larger_than_the_last_level_cache(monkeypatch):
+    from autopolicy import nn
+    from autopolicy.search import hardware, profiling
+    from autopolicy.search.cache import MeasurementCache
+
+    ids = jnp.asarray([[3, 1, 4, 1]], jnp.int32)
+    model = nn.Sequential([nn.Embedding(512, 64, name="embed"), nn.Dense(256, name="up"), nn.Dense(64, name="down")],
+                          name="lm").build(jax.random.key(0), ids)
+    made = search.get_adapter(model, (ids,), [])
+    assert [t.gather for t in made.layers()] == [True, False, False]
+    sites = profiling.sites(made.layers(), [policies.get("float32"), policies.get("int8_from_float32")])
+    streamed = (64 * 256 + 256 + 256 * 64 + 64) * 4  # the two Dense layers' float32 kernels and biases
+    seen = []
+    monkeypatch.setattr(profiling, "stream_bandwidth", lambda nbytes, *a: seen.append(nbytes) or 10e9)
+    monkeypatch.setattr(hardware, "cache_bytes", lambda platform_name="cpu": streamed - 1)  # one byte too small
+    latency = profiling.measure_latency(made, sites, MeasurementCache(None), "fingerprint", repeats=3)
+    assert seen == [streamed] and latency.bandwidth == 10e9  # the embedding's table is not streamed
+    up = latency.sites[1]
+    assert latency.latency_s(up, "float32") == max(latency.timing("lm/up", "float32").latency_s, 66560 / 10e9)
+    monkeypatch.setattr(hardware, "cache_bytes", lambda platform_name="cpu": streamed)
+    assert profiling.measure_latency(made, sites, MeasurementCache(None), "fingerprint", repeats=3).bandwidth is None
+
+
+def test_the_stream_bandwidth_is_measured_once_per_machine_and_size():
+    from autopolicy.search import profiling
+    from autopolicy.search.cache import MeasurementCache
+
+    cache = MeasurementCache(None)
+    first = profiling.stream_bandwidth(3 << 20, cache, "fingerprint", repeats=3)  # reads 64 MiB
+    assert 1e8 < first < 1e13 and cache.misses == 1  # between 100 MB/s and 10 TB/s
+    assert profiling.stream_bandwidth(60 << 20, cache, "fingerprint", repeats=3) == first and cache.misses == 1
+
+
+def test_the_last_level_cache_is_the_largest_cache_sysfs_lists(monkeypatch, tmp_path):
+    from autopolicy.search import hardware
+
+    for i, size in enumerate(("48K", "64K", "2048K", "491520K")):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    real_glob = hardware.glob.glob
+    monkeypatch.setattr(hardware.glob, "glob", lambda pattern: real_glob(str(tmp_path / "index*" / "size")))
+    assert hardware.cache_bytes() == 491520 * 1024
+    assert hardware.cache_bytes("gpu") == 64 << 20
+    monkeypatch.setattr(hardware.glob, "glob", lambda pattern: [])
+    assert hardware.cache_bytes() == 32 << 20

@@ -170,6 +170,52 @@ def test_the_latency_model_keeps_positive_scales():
     assert fitted.scale == {"float32": 1.0} and fitted.factor("int8_from_float32") == 1.0
 
 
+def _streamed(bandwidth):
+    """A decoder's shape of problem: a small layer ``a`` (1 MB of float32) that ran from the L2
+    cache when timed alone, a large layer ``b`` (16 MB) whose isolated timing already streamed,
+    and an embedding ``e`` (64 MB, reads one row a call). int8 stores a quarter of the bytes."""
+    mb = 1 << 20
+    spec = {"e": (True, {"float32": (2e-6, 64 * mb)}),
+            "a": (False, {"float32": (20e-6, mb), "int8_from_float32": (12e-6, mb // 4)}),
+            "b": (False, {"float32": (900e-6, 16 * mb), "int8_from_float32": (210e-6, 4 * mb)})}
+    cands = (policies.get("float32"), policies.get("int8_from_float32"))
+    sites = tuple(Site(i, TunableLayer(p, "Dense", ("int8",), f"sig{p}", (1, 8), None, gather=gather),
+                       False, cands[:len(table)]) for i, (p, (gather, table)) in enumerate(spec.items()))
+    timings = {p: {n: LayerTiming(s, s, s, 0.01, 5, 1, True, b) for n, (s, b) in table.items()}
+               for p, (_, table) in spec.items()}
+    return LatencyProfile(sites, timings, {}, bandwidth)
+
+
+def test_a_layer_in_a_model_larger_than_the_cache_takes_at_least_its_bytes_over_the_bandwidth():
+    floored, alone = _streamed(20e9), _streamed(None)
+    a, b, e = floored.sites[1], floored.sites[2], floored.sites[0]
+    assert floored.latency_s(a, "float32") == pytest.approx((1 << 20) / 20e9)  # 52 us, not the 20 us timed alone
+    assert floored.latency_s(a, "int8_from_float32") == pytest.approx(13.1072e-6)  # 262144 B / 20 GB/s > 12 us
+    assert floored.latency_s(b, "float32") == pytest.approx(900e-6)  # slower than its 839 us floor: its own time
+    assert floored.latency_s(e, "float32") == pytest.approx(2e-6)  # a gather reads one row, not 64 MB
+    assert alone.latency_s(a, "float32") == pytest.approx(20e-6)
+    assert floored.predicted_latency({}) == pytest.approx(2e-6 + (1 << 20) / 20e9 + 900e-6)
+
+
+def test_the_streaming_floor_lets_one_scale_per_policy_predict_a_mixed_map():
+    # End to end the small layers stream at 20 GB/s: float32 takes e + 52 + 900 us, int8 e + 13 + 210 us.
+    mb, bw = 1 << 20, 20e9
+    e2e = {"a": {"float32": mb / bw, "int8_from_float32": (mb // 4) / bw},
+           "b": {"float32": 900e-6, "int8_from_float32": 210e-6}}
+    uniform32, uniform8 = {}, {"a": "int8_from_float32", "b": "int8_from_float32"}
+    mixed = {"a": "float32", "b": "int8_from_float32"}  # a small float32 layer in an int8 model
+
+    def seconds(assignment):
+        return 2e-6 + sum(e2e[p][assignment.get(p, "float32")] for p in "ab")
+
+    timed = [(uniform32, seconds(uniform32)), (uniform8, seconds(uniform8))]
+    floored, alone = _streamed(bw), _streamed(None)
+    with_floor = latency_model.fit(floored, timed).predict(floored, mixed)
+    without = latency_model.fit(alone, timed).predict(alone, mixed)
+    assert with_floor == pytest.approx(seconds(mixed), rel=0.01)
+    assert without < 0.9 * seconds(mixed)  # the isolated 20 us understates the float32 layer
+
+
 class _E2E:
     cpu_per_wall, extra_seconds = 1.0, 0.0
 

@@ -96,6 +96,7 @@ def test_int4_policies_reach_keras_quantize_with_their_block_size():
 def test_tunable_layers_in_execution_order_with_inputs_modes_and_producers():
     made = search.get_adapter(functional_model(), (IDS,), [])
     rows = [(t.path, t.kind, t.modes, t.input_shape, t.producer) for t in made.layers()]
+    assert [t.path for t in made.layers() if t.gather] == ["embed"]  # reads one row per id, not its table
     assert rows == [
         ("embed", "Embedding", ("int8", "int4"), (32, SEQ), None),
         ("conv", "Conv2D", (), (32, 4, 4, DIM), None),  # a Reshape sits between them

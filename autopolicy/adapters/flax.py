@@ -281,7 +281,8 @@ class FlaxAdapter:
                                 "inputs": shapes_and_dtypes((call.args, call.kwargs))}, sort_keys=True, default=str)
         first = jax.tree_util.tree_leaves((call.args, call.kwargs))[0]
         modes = tuple(m for m in MODES[_kind(module)] if _checks.input_problem(call.args, f"{m}_from_float32") is None)
-        return TunableLayer(path, type(module).__name__, modes, signature, tuple(np.shape(first)), call.producer)
+        return TunableLayer(path, type(module).__name__, modes, signature, tuple(np.shape(first)), call.producer,
+                            gather=isinstance(module, nnx.Embed))
 
     def layers(self) -> tuple[TunableLayer, ...]:
         return self._layers

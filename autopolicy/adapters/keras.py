@@ -132,7 +132,8 @@ class KerasAdapter:
                       if _checks.input_problem(call.args, f"{m}_from_float32") is None)
         return KerasTunableLayer(call.path, type(call.layer).__name__, modes,
                                  _signature(call.layer, call), tuple(np.shape(first)), call.producer,
-                                 self._refused.get(id(call.layer), ()))
+                                 gather=isinstance(call.layer, keras.layers.Embedding),
+                                 refused_compute_dtypes=self._refused.get(id(call.layer), ()))
 
     def layers(self) -> tuple[TunableLayer, ...]:
         return self._layers

@@ -138,7 +138,10 @@ class NNAdapter:
         modes = tuple(m for m in layer.supported_quantization_modes
                       if policies.get_quantization_mode(m).calibrated
                       or _checks.input_problem(call.args, f"{m}_from_float32") is None)
-        return TunableLayer(path, type(layer).__name__, modes, signature, tuple(np.shape(first)), call.producer)
+        from autopolicy.nn.embedding import Embedding  # pylint: disable=import-outside-toplevel
+
+        return TunableLayer(path, type(layer).__name__, modes, signature, tuple(np.shape(first)), call.producer,
+                            gather=isinstance(layer, Embedding))
 
     def layers(self) -> tuple[TunableLayer, ...]:
         return self._layers

@@ -129,18 +129,30 @@ def latency_model(run: dict[str, Any]) -> list[Block]:
     fitted_on = model.get("fitted_on") if model else None
     blocks: list[Block] = [
         Heading("Latency model"),
-        Paragraph("Predicted: the sum of isolated layer latencies and casts. Calibrated: the same terms with each "
+        Paragraph("Predicted: the sum of isolated layer latencies and casts (where the model's weights exceed the "
+                  "last-level cache, each layer no faster than its weight bytes over the streaming bandwidth). "
+                  "Calibrated: the same terms with each "
                   "policy's scale fitted on the end-to-end timings (in sample: a policy only one configuration "
                   "uses is fitted exactly to it). Error: (prediction - measured) / measured; positive is too "
                   "slow."),
         Facts([("Median |error|", f"predicted {_num(predicted, '.1f', '%')}, "
                                   f"calibrated {_num(calibrated, '.1f', '%')}"),
-               ("Fitted on", f"{fitted_on} end-to-end timings" if isinstance(fitted_on, int) else MISSING)]),
+               ("Fitted on", f"{fitted_on} end-to-end timings" if isinstance(fitted_on, int) else MISSING),
+               ("Weight streaming floor", _stream(model))]),
         Table(table),
     ]
     if scales.empty:
         return blocks + [Paragraph(f"Fitted scales: {MISSING} (not recorded by this run).")]
     return blocks + [Paragraph("Fitted scales (calibrated layer latency = scale × isolated latency):"), Table(scales)]
+
+
+def _stream(model: dict[str, Any] | None) -> str:
+    if not model or "stream_bandwidth" not in model:
+        return MISSING
+    bandwidth = model["stream_bandwidth"]
+    if bandwidth is None:
+        return "none (the float32 weights fit in the last-level cache)"
+    return f"{_num(bandwidth / 1e9, '.1f')} GB/s measured: a layer takes at least its weight bytes over it"
 
 
 def noise(summary: dict[str, Any]) -> list[Block]:

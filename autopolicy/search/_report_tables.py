@@ -183,7 +183,8 @@ def summary(result: Any) -> dict[str, Any]:
         "wall_time_s": result.wall_time_s,
         "decisions": list(result.decisions),
         "latency_model": {"scale": dict(result.calibration.scale) if result.calibration else {},
-                          "fitted_on": result.calibration.configurations if result.calibration else 0},
+                          "fitted_on": result.calibration.configurations if result.calibration else 0,
+                          "stream_bandwidth": result.latency.bandwidth},
         "noise": dict(result.noise or {}),
         "costs": dict(result.costs or {}),
     }

@@ -31,7 +31,7 @@ def dominated(latency: LatencyProfile, i: int, policy: policies.DTypePolicy, mem
     slack = max([s for (a, b), s in latency.site_casts(site).items() if b == REFERENCE] + [0.0])
     if i + 1 < len(sites) and sites[i + 1].chained:
         slack += max([s for (a, b), s in latency.site_casts(sites[i + 1]).items() if a == REFERENCE] + [0.0])
-    return table[policy.name].latency_s - table[REFERENCE].latency_s > slack
+    return latency.latency_s(site, policy.name) - latency.latency_s(site, REFERENCE) > slack
 
 
 def skipped_accuracy(ctx: Context, latency: LatencyProfile) -> AccuracyProfile:

@@ -87,6 +87,8 @@ class TunableLayer:
       input_shape: The shape of its first input on the sample input.
       producer: The path of the layer whose output is its first input (tunable or not), or None
         when it reads a model input.
+      gather: Whether a call reads only the rows it looks up (an embedding) rather than all its
+        weights: no weight-streaming floor applies to its latency.
     """
 
     path: str
@@ -95,6 +97,7 @@ class TunableLayer:
     signature: str
     input_shape: tuple[int, ...]
     producer: str | None = None
+    gather: bool = False
 
     def supports(self, policy: policies.DTypePolicy) -> bool:
         """Whether the layer can run ``policy`` (quantized policies need a kernel)."""

@@ -6,6 +6,7 @@ JAX) is never reused on another.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ import jax
 from autopolicy._version import __version__
 from autopolicy.numerics import device as device_info
 
-__all__ = ["detect", "fingerprint", "describe", "device_of", "CPU_FEATURES"]
+__all__ = ["detect", "fingerprint", "describe", "device_of", "CPU_FEATURES", "cache_bytes"]
 
 #: CPU flags that decide which low-precision kernels can be fast (shared with the kernels).
 CPU_FEATURES = device_info.CPU_FEATURES
@@ -29,6 +30,29 @@ def _cpu_info() -> dict[str, Any]:
         "features": list(device_info.known_cpu_features(flags)),
         "cores": os.cpu_count(),
     }
+
+
+def cache_bytes(platform_name: str = "cpu") -> int:
+    """The last-level cache in bytes: the largest cache sysfs lists for CPU 0, 32 MiB where it
+    lists none; 64 MiB on an accelerator (an H100's L2 is 50 MiB).
+
+    Weights larger than this cannot stay cached from one call of a model to the next.
+    """
+    if platform_name != "cpu":
+        return 64 << 20
+    sizes = []
+    for entry in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(entry, encoding="utf-8") as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=32 << 20)
 
 
 def device_of(info: dict[str, Any]) -> device_info.Device:

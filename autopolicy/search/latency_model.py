@@ -1,8 +1,11 @@
 """A latency model calibrated on end-to-end timings.
 
 Layers timed alone do not add up to the whole model: fusion, overheads outside the tuned
-layers and caches make the sum of isolated latencies wrong by up to 2x. The model predicts a
-configuration as ``sum over layers of scale[policy] * isolated latency + casts`` and fits one
+layers and caches make the sum of isolated latencies wrong by up to 2x. Where the model's weights
+exceed the last-level cache, each layer's latency is first floored by its weight bytes over the
+device's streaming bandwidth (``LatencyProfile.latency_s``): one scale per policy cannot say that
+a small float32 layer that ran from the L2 cache alone streams from memory in the model. The
+model predicts a configuration as ``sum over layers of scale[policy] * latency + casts`` and fits one
 scale per policy by least squares of relative errors on every configuration timed end to end
 (the uniform policies give one equation per policy, so the fit is always determined; verified
 maps over-determine it).
@@ -42,14 +45,15 @@ IDENTITY = Calibration({})
 
 
 def raw_terms(latency: LatencyProfile, assignment: Mapping[str, str]) -> tuple[dict[str, float], float]:
-    """Summed isolated latencies per policy, and the summed casts, of an assignment."""
+    """Summed layer latencies (``LatencyProfile.latency_s``: isolated, floored by weight streaming)
+    per policy, and the summed casts, of an assignment."""
     terms: dict[str, float] = {}
     casts, previous = 0.0, REFERENCE
     for site in latency.sites:
         name = assignment.get(site.path, REFERENCE)
         dtype = policies.get(name).compute_dtype
         source = previous if site.chained else REFERENCE
-        terms[name] = terms.get(name, 0.0) + latency.timing(site.path, name).latency_s
+        terms[name] = terms.get(name, 0.0) + latency.latency_s(site, name)
         casts += 0.0 if source == dtype else latency.site_casts(site).get((source, dtype), 0.0)
         previous = dtype
     return terms, casts

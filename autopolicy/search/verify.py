@@ -54,7 +54,7 @@ def make_problem(latency: LatencyProfile, accuracy: AccuracyProfile | None, budg
                 if acc is None or not acc.usable:
                     continue
                 cost = acc.cost + added.get((site.path, policy.name), 0.0)
-            seconds = t.latency_s * calibration.factor(policy.name)
+            seconds = latency.latency_s(site, policy.name) * calibration.factor(policy.name)
             options.append(solver.Option(policy.name, policy.compute_dtype, seconds, cost, float(t.nbytes)))
         layers.append(solver.Layer(site.path, tuple(options), site.chained, latency.site_casts(site)))
     return Problem(tuple(layers), budget, memory_budget)
