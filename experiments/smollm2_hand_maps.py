@@ -4,7 +4,10 @@ weight-only gptq/8. What a
 tune's map should be compared with: where these land shows how much of the speed-perplexity
 trade-off is left to the solver and how much to the kernels.
 
-    .venv/bin/python experiments/smollm2_hand_maps.py [--gptq8 value,head value,head,down ...] [--reps 15]
+    .venv/bin/python experiments/smollm2_hand_maps.py [--gptq8 value,head value,head,down ...]
+        [--tuned runs/smollm2 ...] [--reps 15]
+
+``--tuned`` adds tune runs' chosen maps (with the kernels their tunes chose) to the same run.
 
 Perplexity is the held-out split's (the tune's ``test_fn``); decode is one step at batch 1 and
 cache ``smollm2.CACHE``, every configuration interleaved, as in ``report_smollm2.py`` (whose
@@ -48,6 +51,8 @@ def main(argv=None) -> None:
                         help="comma-separated projection kinds kept on gptq/8, one map each")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--inner", type=int, default=5)
+    parser.add_argument("--tuned", type=pathlib.Path, nargs="*", default=[],
+                        help="`autopolicy tune smollm2` run directories whose chosen maps to time beside")
     args = parser.parse_args(argv)
     model, _, tok = smollm2.load()
     heldout = smollm2.windows(tok, "heldout")
@@ -57,10 +62,14 @@ def main(argv=None) -> None:
     for kinds in args.gptq8:
         kept = tuple(k.strip() for k in kinds.split(",") if k.strip())
         specs[f"int8, gptq/8 on {'+'.join(kept)}"] = ap.DTypePolicyMap("float32", hand_map(model, kept))
+    kernels = {}
+    for run in args.tuned:
+        chosen, kernels[f"tuned ({run.name})"], _ = report_smollm2.tuned_from_run(run)
+        specs[f"tuned ({run.name})"] = ap.DTypePolicyMap("float32", chosen)
     models, ppl, cache = {}, {}, {}
     for name, policy in specs.items():
         built = model if policy is None else report_smollm2.with_kernels(
-            report_smollm2.calibrated(model.with_dtype_policy(policy), model, batches, cache))
+            report_smollm2.calibrated(model.with_dtype_policy(policy), model, batches, cache), kernels.get(name))
         models[name] = built
         ppl[name] = generation.perplexity(built, heldout, smollm2.BATCH)
     timings = report_smollm2.time_decode(models, smollm2.CACHE, args.reps, args.inner)

@@ -4,6 +4,7 @@ what can never be chosen, end to end on tiny models: a configuration over the me
 one that fails to build, run or be scored."""
 
 import math
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,7 @@ def _config(name, kind, seconds):
 
 class Ctx:
     min_speedup, confirm_seconds, repeats = 1.02, 5.0, 10
+    budget = SimpleNamespace(drop=lambda metric: metric)  # the metric is the budget spent
 
 
 def _decide(seconds, cv=0.02, rounds=20, cached=False):
@@ -437,13 +439,14 @@ def test_a_missed_map_shrinks_the_next_rounds_budget_by_predicted_over_observed(
 
     rounds = iter(range(10))
     monkeypatch.setattr(verify, "make_problem", problem)
+    monkeypatch.setattr(verify, "headroom", lambda ctx, problem: None)
     monkeypatch.setattr(verify.solver, "solve", lambda layers, budget, memory: Solution(next(rounds)))
     monkeypatch.setattr(verify, "_verified", lambda ctx, models, index, p, s: SimpleNamespace(
         assignment=s.policies(()), meets_budget=False, metric=0.4, changed={"dense": "int8_from_float32"}))
     ctx = SimpleNamespace(progress=False, max_rounds=3,
                           budget=SimpleNamespace(allowed_drop=0.25, memory_budget=None, drop=lambda metric: metric))
     new = verify.solve_and_verify(ctx, None, None, {}, [])
-    assert len(new) == 3 and budgets == pytest.approx([0.25, 0.125, 0.0625])
+    assert len(new) == 3 and budgets == pytest.approx([0.25, 0.125, 0.0625, 0.03125])  # then the headroom's
     assert additions[1] == {("dense", "int8_from_float32"): pytest.approx(0.2)}  # 0.4 observed - 0.2 predicted
 
 
@@ -483,6 +486,7 @@ def test_a_uniform_policy_within_budget_anchors_one_more_map_solved_without_floa
     ctx = SimpleNamespace(progress=False, max_rounds=3, budget=SimpleNamespace(
         allowed_drop=0.25, memory_budget=None, drop=lambda metric: metric, meets=lambda metric: metric <= 0.25))
     monkeypatch.setattr(verify, "make_problem", problem)
+    monkeypatch.setattr(verify, "headroom", lambda ctx, problem: None)
     monkeypatch.setattr(verify, "_verified", lambda ctx, models, index, p, s: SimpleNamespace(
         assignment=s.policies(()), meets_budget=True, metric=0.1, round=index))
 
@@ -496,10 +500,10 @@ def test_a_uniform_policy_within_budget_anchors_one_more_map_solved_without_floa
     anchored = {"a": "int8", "b": "int4", "norm": "float32"}
     new = run(mixed, anchored)
     # int8 is predicted fastest but missed the budget; int4 beats gptq: it anchors.
-    assert seen == [set(), {"a", "b"}]
+    assert seen == [set(), {"a", "b"}, {"a", "b"}]  # the plain solve, the anchored one, the headroom's
     assert [n.assignment for n in new] == [mixed, anchored] and new[1].round == 2
     assert [n.assignment for n in run(mixed, uniforms[3].assignment)] == [mixed]  # that is uniform int4
-    assert len(seen) == 2
+    assert len(seen) == 3
     assert verify._anchor(ctx, None, calibration, uniforms[:3]).uniform == "gptq"
     assert verify._anchor(ctx, None, calibration, [uniforms[0], uniforms[2]]) is None  # none but float32 met it
 
@@ -531,6 +535,7 @@ def test_an_anchored_map_that_misses_the_budget_is_repaired_with_a_smaller_one(m
     metric = {str(plain): 0.2, str(missed): 0.3, str(repaired): 0.24}
     solutions = iter([plain, missed, repaired])
     monkeypatch.setattr(verify, "make_problem", problem)
+    monkeypatch.setattr(verify, "headroom", lambda ctx, problem: None)
     monkeypatch.setattr(verify.solver, "solve", lambda layers, budget, memory: _FixedSolution(next(solutions)))
     monkeypatch.setattr(verify, "_verified", lambda ctx, models, index, p, s: SimpleNamespace(
         assignment=s.policies(()), metric=metric[str(s.policies(()))],
@@ -540,8 +545,49 @@ def test_an_anchored_map_that_misses_the_budget_is_repaired_with_a_smaller_one(m
     assert [n.assignment for n in new] == [plain, missed, repaired]
     assert [n.round for n in new] == [1, 2, 3]
     excess = (0.3 - 0.1) / 2  # the miss's excess over its two changed layers
-    assert seen == [(0.25, set(), {}), (0.25, {"a", "b"}, {}),
-                    (round(0.25 * 0.1 / 0.3, 6), {"a", "b"}, {("a", "int8"): excess, ("b", "int8"): excess})]
+    repaired_state = (round(0.25 * 0.1 / 0.3, 6), {"a", "b"}, {("a", "int8"): excess, ("b", "int8"): excess})
+    # The headroom map is solved on the repairs' last problem: budget, added costs and anchor.
+    assert seen == [(0.25, set(), {}), (0.25, {"a", "b"}, {}), repaired_state, repaired_state]
+
+
+def _two_layers(min_speedup):
+    """float32, int8 (fastest, costly) and gptq (1% slower, nearly free) on two layers."""
+    from autopolicy.search import solver  # pylint: disable=import-outside-toplevel
+    from autopolicy.search.phases import Problem  # pylint: disable=import-outside-toplevel
+
+    options = (solver.Option("float32", "float32", 2.0), solver.Option("int8", "float32", 1.0, 0.2),
+               solver.Option("gptq", "float32", 1.01, 0.01))
+    layers = tuple(solver.Layer(name, options) for name in "ab")
+    return SimpleNamespace(min_speedup=min_speedup), Problem(layers, 0.5, None)
+
+
+def test_the_headroom_map_spends_the_least_budget_within_the_margin_of_the_fastest():
+    ctx, problem = _two_layers(1.02)
+    fastest = verify.solver.solve(problem.layers, problem.budget)
+    assert fastest.policies(problem.layers) == {"a": "int8", "b": "int8"}  # 2.0 s, cost 0.4
+    safest = verify.headroom(ctx, problem)
+    assert safest.policies(problem.layers) == {"a": "gptq", "b": "gptq"}  # 2.02 s (within 2%), cost 0.02
+    assert safest.accuracy_cost == pytest.approx(0.02) and safest.latency == pytest.approx(2.02)
+    one_gptq = verify.headroom(_two_layers(1.006)[0], problem)  # 2.01 s of 2.012 allowed: one layer only
+    assert sorted(one_gptq.policies(problem.layers).values()) == ["gptq", "int8"]
+    assert verify.headroom(_two_layers(1.0)[0], problem) is None  # no margin: the fastest is the only one
+
+
+def test_a_faster_map_replaces_a_more_accurate_one_only_when_faster_by_the_margin():
+    seconds = {"uniform float32": 10.0, "uniform int8": 6.0, "map (round 1)": 4.97, "map (round 2)": 5.0}
+    spent = {"map (round 1)": 0.24, "map (round 2)": 0.01}  # round 1 used the budget, round 2 barely
+
+    def decide(seconds):
+        configs = {n: _config(n, "uniform" if n.startswith("uniform") else "map", s).with_(metric=spent.get(n))
+                   for n, s in seconds.items()}
+        float32 = configs.pop("uniform float32")
+        return verify.decide(Ctx, FakeEndToEnd(seconds, 0.02, 20), float32, list(configs.values()))
+
+    winner, log = decide(seconds)
+    assert winner.name == "map (round 2)"  # the more accurate map challenges first and clears int8
+    assert "map (round 2) replaces uniform int8" in log[1] and "map (round 1) does not replace map (round 2)" in log[2]
+    winner, log = decide({**seconds, "map (round 1)": 4.0})
+    assert winner.name == "map (round 1)" and "map (round 1) replaces map (round 2)" in log[2]
 
 
 @pytest.mark.timeout(60)
