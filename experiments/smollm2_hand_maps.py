@@ -7,7 +7,8 @@ trade-off is left to the solver and how much to the kernels.
     .venv/bin/python experiments/smollm2_hand_maps.py [--gptq8 value,head value,head,down ...]
         [--tuned runs/smollm2 ...] [--reps 15]
 
-``--tuned`` adds tune runs' chosen maps (with the kernels their tunes chose) to the same run.
+``--tuned`` adds tune runs' chosen maps (with the kernels their tunes chose) to the same run;
+``--every-map`` adds every map those runs verified (``frontier.csv``) instead of the chosen one.
 
 Perplexity is the held-out split's (the tune's ``test_fn``); decode is one step at batch 1 and
 cache ``smollm2.CACHE``, every configuration interleaved, as in ``report_smollm2.py`` (whose
@@ -45,6 +46,23 @@ def hand_map(model, kept: tuple[str, ...]) -> dict[str, str]:
     return {p: GPTQ8 if p.rsplit("/", 1)[-1] in kept else INT8 for p in paths}
 
 
+def verified_maps(run: pathlib.Path) -> dict[str, tuple[dict[str, str], dict[str, str]]]:
+    """``{name: (policies, kernels)}`` of every map a tune run verified (``frontier.csv``'s
+    measured maps), each layer on the kernel the run's profile kept for its policy."""
+    import csv  # pylint: disable=import-outside-toplevel
+    import json  # pylint: disable=import-outside-toplevel
+
+    with open(run / "profile.csv", newline="") as f:
+        kept = {(row["layer"], row["policy"]): row["kernel"] for row in csv.DictReader(f) if row.get("kernel")}
+    out = {}
+    with open(run / "frontier.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["source"] == "measured" and row["name"].startswith("map"):
+                chosen = json.loads(row["policies"])
+                out[row["name"]] = (chosen, {p: kept[p, n] for p, n in chosen.items() if (p, n) in kept})
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gptq8", nargs="+", default=["value,head", "value,key,head", "value,head,down"],
@@ -53,6 +71,8 @@ def main(argv=None) -> None:
     parser.add_argument("--inner", type=int, default=5)
     parser.add_argument("--tuned", type=pathlib.Path, nargs="*", default=[],
                         help="`autopolicy tune smollm2` run directories whose chosen maps to time beside")
+    parser.add_argument("--every-map", action="store_true",
+                        help="with --tuned: every map the runs verified, not only the chosen one")
     args = parser.parse_args(argv)
     model, _, tok = smollm2.load()
     heldout = smollm2.windows(tok, "heldout")
@@ -64,8 +84,10 @@ def main(argv=None) -> None:
         specs[f"int8, gptq/8 on {'+'.join(kept)}"] = ap.DTypePolicyMap("float32", hand_map(model, kept))
     kernels = {}
     for run in args.tuned:
-        chosen, kernels[f"tuned ({run.name})"], _ = report_smollm2.tuned_from_run(run)
-        specs[f"tuned ({run.name})"] = ap.DTypePolicyMap("float32", chosen)
+        for name, (chosen, chosen_kernels) in (verified_maps(run) if args.every_map else
+                                               {"tuned": report_smollm2.tuned_from_run(run)[:2]}).items():
+            kernels[f"{name} ({run.name})"] = chosen_kernels
+            specs[f"{name} ({run.name})"] = ap.DTypePolicyMap("float32", chosen)
     models, ppl, cache = {}, {}, {}
     for name, policy in specs.items():
         built = model if policy is None else report_smollm2.with_kernels(
