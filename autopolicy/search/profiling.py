@@ -225,8 +225,9 @@ def stream_bandwidth(nbytes: int, cache: MeasurementCache, fingerprint: str, rep
     """Bytes per second at which the default device reads ``nbytes`` of float32 (rounded up to
     64 MiB, at most :data:`MAX_STREAM_BYTES`): a multiply-and-sum over them, timed like a layer.
 
-    Cached per machine and size. On a 2-core Xeon VM it reads 25-26 GB/s, the rate at which
-    XLA's float32 matrix-vector product and the int8 kernel stream a 256 MB weight.
+    Cached per machine and size. On a 2-core Xeon VM it read 26 GB/s when the VM was quiet (the
+    rate at which XLA's float32 matrix-vector product and the int8 kernel stream a 256 MB
+    weight), 18.8 GB/s in a tune on the busy VM.
     """
     size = min(MAX_STREAM_BYTES, -(-max(nbytes, 1) // (64 << 20)) * (64 << 20))
     cache_key = key(fingerprint, "stream-bandwidth", size, repeats, timing.METHOD)

@@ -190,10 +190,10 @@ def solve_and_verify(ctx: Context, latency: LatencyProfile, accuracy: AccuracyPr
 
 
 def headroom(ctx: Context, problem: Problem) -> solver.Solution | None:
-    """After the repair rounds (on their last problem: budget shrunk, misses' costs added,
-    float32 taken away where the anchor reaches), the solution that spends the least of the accuracy budget among those predicted no slower
-    than the fastest within it by more than the decision margin (``min_speedup``), or None when
-    that is the fastest itself.
+    """Of the solutions predicted no slower than the fastest within the budget by more than the
+    decision margin (``min_speedup``), the one that spends the least of the accuracy budget; None
+    when that is the fastest itself. Solved on the repair rounds' last problem (budget shrunk,
+    misses' costs added, float32 taken away where the anchor reaches).
 
     The solver spends the whole budget for any predicted gain, however small; the metric it is
     held to is measured on a sample, so a map at the edge of the budget is the likeliest to break
