@@ -168,12 +168,13 @@ def test_the_streaming_floor_applies_to_models_larger_than_the_last_level_cache(
     seen = []
     monkeypatch.setattr(profiling, "stream_bandwidth", lambda nbytes, *a: seen.append(nbytes) or 10e9)
     monkeypatch.setattr(hardware, "cache_bytes", lambda platform_name="cpu": streamed - 1)  # one byte too small
-    latency = profiling.measure_latency(made, sites, MeasurementCache(None), "fingerprint", repeats=3)
+    cache = MeasurementCache(None)
+    latency = profiling.measure_latency(made, sites, cache, "fingerprint", repeats=3)
     assert seen == [streamed] and latency.bandwidth == 10e9  # the embedding's table is not streamed
     up = latency.sites[1]
     assert latency.latency_s(up, "float32") == max(latency.timing("lm/up", "float32").latency_s, 66560 / 10e9)
     monkeypatch.setattr(hardware, "cache_bytes", lambda platform_name="cpu": streamed)
-    assert profiling.measure_latency(made, sites, MeasurementCache(None), "fingerprint", repeats=3).bandwidth is None
+    assert profiling.measure_latency(made, sites, cache, "fingerprint", repeats=3).bandwidth is None  # timings cached
 
 
 def test_the_stream_bandwidth_is_measured_once_per_machine_and_size():
