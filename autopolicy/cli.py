@@ -278,6 +278,7 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
             profile_accuracy=args.profile_accuracy, shared_cache_dir=shared, executor=executor,
             higher_is_better=higher_is_better, loss_fn=getattr(exp, "loss_fn", None),
             loss_link=getattr(exp, "loss_link", "fitted"), loss_inputs=getattr(exp, "loss_inputs", None),
+            step_carry=getattr(exp, "step_carry", None),
         )
     result.summary["experiment"] = {"name": exp.name, "description": exp.description,
                                     "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:])}

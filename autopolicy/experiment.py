@@ -44,6 +44,8 @@ class Experiment:
       loss_link: How a change of that loss reads as a change of the metric (``tune``'s
         ``loss_link``: ``"exp"`` for a perplexity, ``"loss"``, ``"fitted"``).
       loss_inputs: The batches ``loss_fn`` runs on (None: the calibration batches).
+      step_carry: For a stateful objective (a decode step): ``step_carry(sample_args, outputs)``
+        gives the next step's arguments (``tune``'s ``step_carry``). None: a stateless call.
     """
 
     name: str
@@ -61,6 +63,7 @@ class Experiment:
     loss_fn: Callable[..., Any] | None = None
     loss_link: str = "fitted"
     loss_inputs: Sequence[Any] | None = None
+    step_carry: Callable[[tuple, Any], tuple] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

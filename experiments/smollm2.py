@@ -123,6 +123,14 @@ def decode_input(model, cache_length: int = CACHE) -> tuple:
     return (np.zeros((1, 1), np.int32), np.asarray(cache_length - 1, np.int32), model.init_cache(1, cache_length))
 
 
+def next_decode_input(args: tuple, outputs: tuple) -> tuple:
+    """The next timed step's arguments (the tune's ``step_carry``): the same token and position,
+    and the cache the step returned, so that steps run back to back with the cache updated in
+    place, as decoding does (not copied from the same inputs at every step)."""
+    token, start, _ = args
+    return token, start, outputs[1]
+
+
 def build(cache_dir) -> Experiment:
     """The tuning task: the objective is the latency of one decode step at cache length CACHE
     (the sample input is a decode step's arguments); the metric is the perplexity of WINDOWS
@@ -144,6 +152,7 @@ def build(cache_dir) -> Experiment:
         eval_fn=perplexity_metric(scored),
         test_fn=perplexity_metric(heldout),
         sample_input=decode_input(model),
+        step_carry=next_decode_input,
         calibration_inputs=[(calibration[WINDOWS : WINDOWS + BATCH],)],
         max_drop=0.02,
         relative=True,

@@ -421,3 +421,45 @@ def test_a_decode_step_runs_the_cpu_attention_kernel_and_equals_xla(small, monke
     assert "autopolicy_decode_attention" in programs["0"] and "autopolicy_decode_attention" not in programs["1"]
     assert np.abs(outputs["1"]).max() > 0
     np.testing.assert_allclose(outputs["0"], outputs["1"], rtol=1e-5, atol=1e-5)
+
+
+def _decode_tune_args(small):
+    ids = np.asarray([[3, 17, 5, 39, 0, 8, 21, 2]], np.int32)
+    sample = (jnp.zeros((1, 1), jnp.int32), jnp.asarray(15, jnp.int32), small.init_cache(1, 16))
+    quick = dict(candidates=["float32", "int8_from_float32"], repeats=3, progress=False, confirm_seconds=0,
+                 higher_is_better=False, max_drop=0.5)
+    return sample, (lambda m: float(generation.perplexity(m, ids, 1))), quick
+
+
+@pytest.mark.slow
+def test_a_decode_step_is_tuned_as_back_to_back_steps_carrying_the_cache(small):
+    """``step_carry`` makes the end-to-end timings run decode steps back to back, each on the
+    cache the last returned."""
+    from autopolicy import search  # pylint: disable=import-outside-toplevel
+
+    sample, eval_fn, quick = _decode_tune_args(small)
+    carried = []
+
+    def step_carry(args, outputs):
+        carried.append(jax.tree_util.tree_structure(outputs[1]) == jax.tree_util.tree_structure(args[2]))
+        return args[0], args[1], outputs[1]
+
+    result = search.tune(small, eval_fn, sample, step_carry=step_carry, **quick)
+    assert carried and all(carried) and result.chosen.measured_latency_s > 0
+
+
+def test_a_step_carry_that_breaks_the_decode_steps_arguments_is_refused_before_measuring(small, monkeypatch):
+    from autopolicy import search  # pylint: disable=import-outside-toplevel
+    from autopolicy.search import profiling  # pylint: disable=import-outside-toplevel
+
+    sample, eval_fn, quick = _decode_tune_args(small)
+    monkeypatch.setattr(profiling, "measure_latency", lambda *a, **k: pytest.fail("measured before the check"))
+    with pytest.raises(ValueError, match="must return the inputs' structure"):
+        search.tune(small, eval_fn, sample, step_carry=lambda args, outputs: (args[0], outputs[1]), **quick)
+    with pytest.raises(ValueError, match="must keep the inputs' shapes and dtypes"):
+        search.tune(small, eval_fn, sample,
+                    step_carry=lambda args, outputs: (args[0], args[1].astype(jnp.float32), outputs[1]), **quick)
+    with pytest.raises(ValueError, match=r"step_carry\(sample_args, outputs\) failed: IndexError"):
+        search.tune(small, eval_fn, sample, step_carry=lambda args, outputs: (args[0], args[1], outputs[5]), **quick)
+    with pytest.raises(TypeError, match="step_carry must be callable"):
+        search.tune(small, eval_fn, sample, step_carry="cache", **quick)

@@ -51,3 +51,36 @@ def test_measure_needs_three_repeats():
 def test_the_summary_is_robust_to_one_outlier():
     t = timing.summarize([1.0, 1.0, 1.1, 0.9, 1.0, 50.0])
     assert t.median == pytest.approx(1.0) and t.cv < 0.1 and t.samples[-1] == 50.0
+
+
+def _counting_step(seen):
+    """A stateful step: ``x @ w`` and a counter it increments, recorded at every call."""
+
+    def fn(state, x, counter):
+        jax.debug.callback(lambda c: seen.append(int(c)), counter)
+        return x @ state, counter + 1
+
+    return fn
+
+
+def test_a_carried_step_feeds_its_state_forward_within_and_across_calls():
+    seen = []
+    counter = jnp.asarray(7, jnp.int32)
+    cand = timing.Candidate(_counting_step(seen), (X, counter), jnp.eye(64), carry=lambda inputs, out: (inputs[0], out[1]))
+    run = timing.compile_loop(cand, inner=3)
+    run()
+    assert seen == [7, 8, 9]  # each step reads the counter the one before wrote
+    run(2)
+    assert seen == [7, 8, 9, 10, 11]  # and each call starts where the last stopped
+    run(1)  # one step runs alone, not as a loop of one, from the same state
+    assert seen == [7, 8, 9, 10, 11, 12]
+    assert int(counter) == 7 and float(X[0, 0]) == float(jax.random.normal(jax.random.key(0), (64, 64))[0, 0])
+
+
+def test_a_carry_that_changes_the_inputs_structure_or_shapes_is_refused():
+    bad_structure = timing.Candidate(_counting_step([]), (X, jnp.asarray(0)), jnp.eye(64), carry=lambda i, o: (o[1],))
+    with pytest.raises(ValueError, match="must return the inputs' structure"):
+        timing.compile_loop(bad_structure)
+    bad_shape = timing.Candidate(_counting_step([]), (X, jnp.asarray(0)), jnp.eye(64), carry=lambda i, o: (o[0][:2], o[1]))
+    with pytest.raises(ValueError, match="must keep the inputs' shapes and dtypes"):
+        timing.compile_loop(bad_shape)

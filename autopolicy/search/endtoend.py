@@ -34,8 +34,9 @@ class EndToEnd:
     """
 
     def __init__(self, adapter: Any, models: dict, cache: MeasurementCache, fingerprint: str, digest: str,
-                 shapes: list):
+                 shapes: list, step_carry: Callable[[tuple, Any], tuple] | None = None):
         self.adapter = adapter
+        self.step_carry = step_carry  # a stateful step's carry (timing.Candidate.carry)
         self.models = models
         self.cache = cache
         self.prefix = (fingerprint, digest, shapes, timing.METHOD)
@@ -111,7 +112,7 @@ class EndToEnd:
                 if config.name not in self.models:
                     raise RuntimeError(f"its model could not be built ({config.excluded or 'no model'})")
                 program = self.adapter.model_program(self.models[config.name])
-                todo = {k: timing.Candidate(program.fn, program.args, program.state)}
+                todo = {k: timing.Candidate(program.fn, program.args, program.state, carry=self.step_carry)}
                 if self.timer is None:
                     self.timer = timing.Timer(todo)
                 else:
