@@ -20,7 +20,8 @@ decode step at cache length CACHE.
 What ``autopolicy.search.tune`` lacks for this task (issue 24), worked around here or not:
 
 - Objectives: only ``model(*sample_input)`` is timed. A decode step fits (its arguments are the
-  sample input); a prefill of P tokens fits the same way; a whole generation (P + G tokens: a
+  sample input, and ``step_carry=next_decode_input`` makes the timings run steps back to back on
+  the cache each returns, as decoding does); a prefill of P tokens fits the same way; a whole generation (P + G tokens: a
   prefill then G decode steps) and tokens/s do not. The attention over the cache is inside
   ``LlamaAttention``, not a tunable layer: it appears only in end-to-end timings.
 - Memory: ``memory_budget`` bounds the summed stored bytes of the tuned layers (solver and
