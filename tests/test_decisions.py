@@ -285,6 +285,37 @@ def test_a_cached_decision_is_not_reused_under_a_memory_budget_that_excludes_its
     assert second.decisions[0].startswith("uniform float32 cannot be chosen (over the memory budget")
 
 
+def test_a_rerun_decides_on_the_same_group_rounds_and_adds_the_extra_rounds_kept_with_the_decision(
+        tmp_path, monkeypatch):
+    """Extra rounds taken for a close call are cached with the decision, not with the group: a
+    rerun reads the very rounds the first run read before deciding (which uniform policies it
+    scores depends on them), then adds the extra ones, and reports the same figures."""
+    import json  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(verify, "fastest_first", lambda *args, **kwargs: ([], True))
+    real = verify._challenge
+
+    def close_call(ctx, e2e, challenger, incumbent):
+        e2e.more([challenger, incumbent], 3)  # taken only when nothing came from the cache
+        return real(ctx, e2e, challenger, incumbent)
+
+    monkeypatch.setattr(verify, "_challenge", close_call)
+    options = dict(candidates=["float32", "bfloat16"], max_drop=0.5, relative=False, min_speedup=1000.0,
+                   adapter=TwoMatmulsAdapter, cache_dir=str(tmp_path), **QUICK)
+    first = search.tune(TwoMatmuls(PARAMS), fidelity, X, **options)
+    entries = json.loads((tmp_path / "measurements.json").read_text())
+    kept = [v for v in entries.values() if isinstance(v, dict) and "extra_rounds" in v]
+    assert len(kept) == 1 and len(kept[0]["extra_rounds"]) == 3
+    second = search.tune(TwoMatmuls(PARAMS), fidelity, X, **options)
+    assert second.chosen.name == first.chosen.name and second.decisions == first.decisions
+    for a, b in zip(first.configurations, second.configurations):
+        assert (a.name, a.rounds, a.measured_latency_s, a.speedup_low) == (b.name, b.rounds, b.measured_latency_s,
+                                                                          b.speedup_low)
+    groups = [v["rounds"] for v in entries.values() if isinstance(v, dict) and "rounds" in v]
+    float32 = next(c for c in first.configurations if c.name == "uniform float32")
+    assert sum(len(g) for g in groups) + 3 == float32.rounds  # calibration + final rounds, then the 3 extra
+
+
 def _slow_matmul(w, x):
     y = jax.lax.fori_loop(0, 40, lambda _, y: (y @ w) @ w.T / 8, x)
     return y @ w

@@ -389,6 +389,7 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
     """
     group = e2e.time_until(tried + uniform_configs, 2 * ctx.repeats, max(ctx.repeats // 2, 1),
                            lambda: settled(ctx, e2e, uniform_configs[0], tried + uniform_configs[1:]), "final")
+    grouped = len(e2e.rounds)  # the group's rounds end here; close calls' extra rounds follow
     if e2e.failure(uniform_configs[0]):  # every speed-up is measured against it
         raise ValueError(f"The float32 model could not be timed end to end: {e2e.failure(uniform_configs[0])}")
     float32 = _timed(e2e, uniform_configs[0], uniform_configs[0])
@@ -418,13 +419,17 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
     decision_key = key(group, "decision", ctx.min_speedup, ctx.confirm_seconds,
                        sorted((c.name, config_key(c)) for c in eligible))
     cached = ctx.cache.lookup(decision_key)
+    # The extra rounds are kept with the decision, not with the group: a rerun must read the same
+    # group rounds as this run did before deciding (which uniform policies it scores depends on
+    # them), then adds the extra rounds for the same figures.
     winner = next((c for c in eligible if cached is not None and c.name == cached["winner"]), None)
     if winner is not None:
         log = cached["log"]
+        e2e.rounds += [dict(r) for r in cached.get("extra_rounds", [])]
     else:
         winner, log = decide(ctx, e2e, timed_uniforms[0], contenders, tried + timed_uniforms[1:])
-        e2e.persist(group)
-        ctx.cache.put(decision_key, {"winner": winner.name, "log": log}, share=True)
+        ctx.cache.put(decision_key, {"winner": winner.name, "log": log, "extra_rounds": e2e.rounds[grouped:]},
+                      share=True)
         ctx.cache.flush()
     # Extra rounds changed the pairs they timed: refresh every figure from all rounds.
     entries = [_timed(e2e, c, timed_uniforms[0]) for c in tried + timed_uniforms]
