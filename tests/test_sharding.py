@@ -96,12 +96,12 @@ def test_every_candidate_times_with_a_finite_median_on_a_mesh(shape, explicit):
     by_layer = frame.groupby("layer").collectives.apply(set).to_dict()
     if shape == (2, 2):
         # Column-parallel: no collective; row-parallel: its sum over the model axis. The int8
-        # tactic u8s8 (weights offset to unsigned) compiles with an all-gather in both layers,
-        # s8s8 without; which of them a tune keeps is measured, so the int8 rows are held to
-        # this only when s8s8 won.
+        # tactic u8s8 (weights offset to unsigned) compiles with one all-gather or none (seen
+        # both under the auto mesh), s8s8 without; which of them a tune keeps is measured, so
+        # the int8 rows are held to this only when s8s8 won.
         column = frame[frame.layer == "mlp/dense"]
         assert set(column[column.kernel != "u8s8"].collectives) == {"none"}
-        assert set(column[column.kernel == "u8s8"].collectives) <= {"all-gather x1"}
+        assert set(column[column.kernel == "u8s8"].collectives) <= {"none", "all-gather x1"}
         assert all("all-reduce" in c for c in by_layer["mlp/dense_1"])
         row = frame[(frame.layer == "mlp/dense_1") & (frame.kernel != "u8s8")]
         assert not any("all-gather" in c or "collective-permute" in c for c in row.collectives)
