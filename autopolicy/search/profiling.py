@@ -242,7 +242,7 @@ def stream_bandwidth(nbytes: int, cache: MeasurementCache, fingerprint: str, rep
     return float(cache.get_or_measure(cache_key, measure, share=True))
 
 
-def _bandwidth(adapter_platform: str, layer_sites: Sequence[Site], timings: dict, cache: MeasurementCache,
+def _bandwidth(platform_name: str, layer_sites: Sequence[Site], timings: dict, cache: MeasurementCache,
                fingerprint: str, repeats: int) -> float | None:
     """The streaming floor's bandwidth, or None where it does not apply: the float32 weights of
     the layers that read all their weights fit in the last-level cache (they stay cached from one
@@ -251,7 +251,7 @@ def _bandwidth(adapter_platform: str, layer_sites: Sequence[Site], timings: dict
 
     streamed = sum(timings[s.path][REFERENCE].nbytes for s in layer_sites if not s.layer.gather)
     spans = any(t.collectives for table in timings.values() for t in table.values())
-    if spans or streamed <= hardware.cache_bytes(adapter_platform):
+    if spans or streamed <= hardware.cache_bytes(platform_name):
         return None
     return stream_bandwidth(streamed, cache, fingerprint, repeats)
 

@@ -139,17 +139,8 @@ def compile_loop(candidate: Candidate, inner: int | None = None) -> Callable[...
         return jax.lax.fori_loop(0, count, body, init)
 
     state = candidate.state
-    # Arrays are traced; anything else in the inputs (flags, None) stays a Python constant.
-    leaves, treedef = jax.tree_util.tree_flatten(tuple(candidate.inputs))
-    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
-    arrays = [jnp.asarray(leaves[i]) for i in dynamic]
-
-    def rebuild(values):
-        full = list(leaves)
-        for i, v in zip(dynamic, values):
-            full[i] = v
-        return jax.tree_util.tree_unflatten(treedef, full)
-
+    arrays, rebuild, _ = _split_inputs(candidate.inputs)
+    arrays = [jnp.asarray(a) for a in arrays]
     compiled = jax.jit(lambda st, arr, eps, n: loop(st, rebuild(arr), eps, n)).lower(
         state, arrays, jnp.float32(0.0), jnp.int32(1)).compile()
     eps = jnp.float32(0.0)
@@ -161,11 +152,11 @@ def compile_loop(candidate: Candidate, inner: int | None = None) -> Callable[...
     return run
 
 
-def _carried_step(candidate: Candidate) -> tuple[Callable[..., Any], list]:
-    """``(step, arrays)`` of a stateful candidate: ``step(state, arrays, scalar, eps)`` runs one
-    step and returns ``(scalar, kept outputs, next arrays)`` (the outputs not fed back are kept,
-    so that none is dropped); ``arrays`` are the inputs' arrays."""
-    leaves, treedef = jax.tree_util.tree_flatten(tuple(candidate.inputs))
+def _split_inputs(inputs: tuple) -> tuple[list, Callable[[Sequence[Any]], tuple], Callable[[tuple], tuple]]:
+    """``(arrays, rebuild, arrays_of)``: the inputs' arrays (traced; anything else, flags or
+    None, stays a Python constant), ``rebuild(arrays)`` -> inputs, and ``arrays_of(inputs)`` ->
+    the arrays of inputs of the same structure (a stateful step's next inputs)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tuple(inputs))
     dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
 
     def rebuild(values):
@@ -174,20 +165,32 @@ def _carried_step(candidate: Candidate) -> tuple[Callable[..., Any], list]:
             full[i] = v
         return jax.tree_util.tree_unflatten(treedef, full)
 
-    def step(state, arrays, scalar, eps):
-        current = rebuild(arrays)
-        out = candidate.call(state, _perturb(current, scalar, eps))
-        following_leaves, following_def = jax.tree_util.tree_flatten(tuple(candidate.carry(current, out)))
+    def arrays_of(following):
+        following_leaves, following_def = jax.tree_util.tree_flatten(tuple(following))
         if following_def != treedef:
             raise ValueError(f"carry(inputs, outputs) must return the inputs' structure {treedef}. "
                              f"Received: {following_def}")
-        nxt = [following_leaves[i] for i in dynamic]
+        return [following_leaves[i] for i in dynamic]
+
+    return [leaves[i] for i in dynamic], rebuild, arrays_of
+
+
+def _carried_step(candidate: Candidate) -> tuple[Callable[..., Any], list]:
+    """``(step, arrays)`` of a stateful candidate: ``step(state, arrays, scalar, eps)`` runs one
+    step and returns ``(scalar, kept outputs, next arrays)`` (the outputs not fed back are kept,
+    so that none is dropped); ``arrays`` are the inputs' arrays."""
+    arrays, rebuild, arrays_of = _split_inputs(candidate.inputs)
+
+    def step(state, arrays, scalar, eps):
+        current = rebuild(arrays)
+        out = candidate.call(state, _perturb(current, scalar, eps))
+        nxt = arrays_of(candidate.carry(current, out))
         fed = {id(x) for x in nxt}
         kept = [x for x in jax.tree_util.tree_leaves(out) if id(x) not in fed]
         first = jax.tree_util.tree_leaves(out)[0]
         return scalar + first.reshape(-1)[0].astype(jnp.float32) * eps, kept, nxt
 
-    return step, [leaves[i] for i in dynamic]
+    return step, arrays
 
 
 def check_carry(candidate: Candidate) -> None:
