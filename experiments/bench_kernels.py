@@ -213,10 +213,11 @@ def make_candidates(size: int, seed: int) -> tuple[dict[str, Candidate], dict[st
     device = current_device()
     for mode, layer in (("int8", int8_layer), ("float8", float8_layer)):
         for spec in kernels.kernel_specs(mode):
+            if not spec.available(device):  # e.g. the C++ CPU kernels on a GPU: no handler to call
+                continue
             name = f"{mode}/{spec.name}"
             candidates[name] = Candidate(_with_kernel(mode, spec.name), (x,), state=layer)
-            offered = "" if spec.available(device) else " (not offered on this device)"
-            notes[name] = f"nn.Dense {mode}_from_float32 weights, kernel `{spec.name}`: {spec.summary}{offered}"
+            notes[name] = f"nn.Dense {mode}_from_float32 weights, kernel `{spec.name}`: {spec.summary}"
     keras_int8 = keras_int8_dense(dense, size)
     if keras_int8 is not None:
         _, cand = keras_int8
@@ -423,11 +424,17 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     start = time.perf_counter()
     results = []
-    for size in args.sizes:
+    for i, size in enumerate(args.sizes):
         res = bench_size(size, args.repeats, args.seed)
         results.append(res)
         summary = ", ".join(f"{r['name']} {r['vs_float32'][0]:.2f}x" for r in res["rows"] if r["name"] != BASELINE)
         print(f"[N={size}] float32 {res['timings'][BASELINE].median * 1e3:.2f} ms; {summary}", file=sys.stderr)
+        if i + 1 < len(args.sizes):  # the sizes done so far survive an interrupt or a time limit
+            rest = ", ".join(str(n) for n in args.sizes[i + 1:])
+            partial = markdown(results, device, cpu_model, command, time.perf_counter() - start,
+                               (load_before, os.getloadavg()))
+            _atomic.write_text(out_path, partial.replace(
+                "\n\n", f"\n\n**Incomplete:** written after N = {size}; not measured yet: N = {rest}.\n\n", 1))
     report = markdown(results, device, cpu_model, command, time.perf_counter() - start, (load_before, os.getloadavg()))
     print(report, end="")
     _atomic.write_text(out_path, report)
