@@ -538,3 +538,34 @@ def test_bench_goal_checks_on_an_h100(bench):
         "- FAIL N=4096 (NVIDIA H100 80GB HBM3): float8/fp8_dot = 1.25x [1.25–1.25] mixed_bfloat16 (H100 goal >= 1.3x)",
     ]
     assert not any("Keras" in line for line in lines)  # no Keras rows were timed
+
+
+def test_bench_times_only_the_kernels_the_device_offers(bench, monkeypatch):
+    # On an H100 the C++ CPU kernel has no CUDA handler: timing it stopped the benchmark there.
+    monkeypatch.setattr(bench, "current_device", lambda: H100)
+    monkeypatch.setattr(bench, "keras_int8_dense", lambda dense, size: None)  # Keras is not the point here
+    candidates, notes = bench.make_candidates(16, 0)
+    assert "int8/s8s8" in candidates and "float8/fp8_dot" in candidates
+    assert "int8/cpu_ffi" not in candidates and "int8/u8s8" not in candidates
+    assert set(notes) == set(candidates)
+
+
+def test_bench_report_survives_an_interrupt_after_the_first_size(bench, monkeypatch, tmp_path):
+    from autopolicy.search.timing import summarize  # pylint: disable=import-outside-toplevel
+
+    def fake_bench_size(size, repeats, seed):
+        if size == 16:
+            raise KeyboardInterrupt
+        timings = {name: summarize([t, t, t]) for name, t in
+                   {"float32": 10.0, "mixed_bfloat16": 5.0, bench.LAYER_INT8: 4.0, "int8/s8s8": 3.0,
+                    bench.RAW_S8: 3.0}.items()}
+        return {"size": size, "rows": bench.table_rows(size, timings, {}), "notes": {}, "programs": {},
+                "identical": True, "int8_names": ["int8/s8s8"], "timings": timings, "cpu_per_wall": 1.0}
+
+    monkeypatch.setattr(bench, "bench_size", fake_bench_size)
+    out = tmp_path / "kernels.md"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--sizes", "8", "16", "--out", str(out)])
+    text = out.read_text()
+    assert "**Incomplete:** written after N = 8; not measured yet: N = 16." in text
+    assert "| 8 | int8/s8s8 |" in text
