@@ -52,6 +52,29 @@ def test_int8_accumulators_are_exact(path, rows, k, n, extremes, path_restored):
     np.testing.assert_array_equal(got, expected)
 
 
+@needs_kernels
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rows,k,n", SHAPES + [(1, 577, 96), (4, 64, 64), (1, 70, 2113), (2, 530, 2080)])
+@pytest.mark.parametrize("operands", ["random", "extremes", "one_row_at_-128"])
+def test_int8_accumulators_are_exact_within_the_quantizers_range(path, rows, k, n, operands, path_restored):
+    """x within [-127, 127], what the quantizer makes, where the AVX2 path multiplies bytes
+    (|w| x sign-adjusted x: the largest pair, 2 x 128 x 127, must not saturate); with one row
+    holding a -128, that row's group of rows is summed the other way, the others still by bytes."""
+    cpu_kernels.set_path(path)
+    rng = np.random.default_rng(rows * k + n + 1)
+    if operands == "extremes":
+        x = rng.choice(np.array([-127, 127], np.int8), (rows, k))
+        w = rng.choice(np.array([-128, 127], np.int8), (k, n))
+    else:
+        x = rng.integers(-127, 128, (rows, k)).astype(np.int8)
+        w = rng.integers(-128, 128, (k, n)).astype(np.int8)
+        if operands == "one_row_at_-128":
+            x[0, k // 2] = -128
+    expected = x.astype(np.int64) @ w.astype(np.int64)
+    got = np.asarray(jax.jit(cpu_kernels.int8_matmul)(x, w))
+    np.testing.assert_array_equal(got, expected)
+
+
 def _int4_reference(x, q, scale, block):
     """float64 sum over blocks of the exact int accumulators times the scales."""
     k, n = q.shape

@@ -107,7 +107,14 @@ void int8_stream(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t
     int32_t xw[kQuads][R];
     for (int u = 0; u < kQuads; ++u)
       for (int r = 0; r < R; ++r) xw[u][r] = i / 4 + u < count ? xq[r * count + i / 4 + u] : 0;
+    // The next pass's rows, fetched while this one runs (as int4_stream does), at one or two rows
+    // of x (decoding: the weights stream from memory once; with more rows the passes re-read
+    // weights the caches hold, and the prefetches cost more than they bring) and over at most
+    // 2048 columns (a pass of longer rows ends too late for its prefetches to stay in the caches).
+    const int8_t* ahead = R <= 2 && n1 - n0 <= 2048 && i + 8 * kQuads <= k ? w + (i + 4 * kQuads) * n : nullptr;
     for (int64_t c = n0; c < n1; c += kChunk) {
+      if (ahead != nullptr)
+        for (int j = 0; j < 4 * kQuads; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * n + c), _MM_HINT_T0);
       __m512i s[R][4];
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < 4; ++t)
