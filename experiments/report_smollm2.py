@@ -37,6 +37,7 @@ import smollm2  # noqa: E402
 import autopolicy as ap  # noqa: E402
 from autopolicy import _atomic, nn  # noqa: E402
 from autopolicy.nn import _base, generation  # noqa: E402
+from autopolicy.numerics import cpu_kernels  # noqa: E402
 from autopolicy.search import hardware  # noqa: E402
 
 UNIFORM = ("mixed_bfloat16", "int8_from_float32", "int4_from_float32", "int4/128_from_float32",
@@ -238,6 +239,8 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     figure = heatmap(args.tuned / "profile.csv", args.out / "sensitivity.png", config.blocks) if args.tuned else None
     device = hardware.describe()
+    kernel_path = cpu_kernels.path() if cpu_kernels.AVAILABLE else "none (XLA only)"
+    forced = f"AUTOPOLICY_CPU_PATH={os.environ['AUTOPOLICY_CPU_PATH']} " if os.environ.get("AUTOPOLICY_CPU_PATH") else ""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     _atomic.write_json(args.out / "results.json", {"device": device, "load_average": load, "rows": rows,
                                                    "maps": {k: v[0] for k, v in specs.items()},
@@ -246,8 +249,8 @@ def main(argv=None) -> None:
     f32 = rows["float32"]
     lines = [
         "# SmolLM2-135M-Instruct: per-layer precision for batch-1 decoding on a CPU", "",
-        f"Device: {device}. Load average at the end of the run: {load}. "
-        f"Made by `python experiments/report_smollm2.py --out {args.out}"
+        f"Device: {device}; CPU kernel path `{kernel_path}`. Load average at the end of the run: {load}. "
+        f"Made by `{forced}python experiments/report_smollm2.py --out {args.out}"
         + (f" --tuned runs/{args.tuned.name}" if args.tuned else "")
         + (" --tuned-budget " + " ".join(f"runs/{r.name}" for r in args.tuned_budget) if args.tuned_budget else "")
         + (f" --uniform {' '.join(args.uniform)}" if tuple(args.uniform) != UNIFORM else "") + f" --reps {args.reps}` "
