@@ -26,6 +26,10 @@
 namespace autopolicy_cpu {
 namespace {
 
+// Ranges of at most this many columns (a decoder's projections) prefetch the next pass's rows;
+// see int8_stream_bytes.
+constexpr int64_t kNarrowColumns = 2048;
+
 inline __m256i pair_of(const int8_t* x, int64_t i, int64_t k) {
   const int32_t a = x[i];
   const int32_t b = i + 1 < k ? x[i + 1] : 0;
@@ -132,7 +136,6 @@ inline void unpermute32(int32_t* row, int64_t n0, int64_t n1) {
 // are read microseconds later); wider ones (a 4096-column layer, an output head) stay on
 // int8_stream, whose four long rows a pass the hardware prefetchers follow (16 long rows a pass
 // measured slower there).
-constexpr int64_t kNarrowColumns = 2048;
 constexpr int kBytePassQuads = 4;  // quads of K rows a pass: 16 rows
 
 template <int R>
@@ -245,7 +248,12 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
           xb[jj][r] = _mm256_set1_epi16(static_cast<int16_t>(x0 | (x1 << 8)));
         }
       }
+      // The next pass's byte rows, fetched while this one runs (one line of each per 64 columns),
+      // over narrow ranges as int8_stream_bytes does.
+      const uint8_t* ahead = width <= kNarrowColumns && jg + 16 <= pairs ? w + (jg + 8) * n : nullptr;
       for (int64_t c = n0; c < n1; c += 32) {
+        if (ahead != nullptr && ((c - n0) & 32) == 0)
+          for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * n + c), _MM_HINT_T0);
         __m256i t0[R], t1[R];
         for (int r = 0; r < R; ++r) t0[r] = t1[r] = _mm256_setzero_si256();
         for (int64_t jj = 0; jj < rows; ++jj) {
