@@ -356,11 +356,15 @@ def goal_checks(results: list[dict[str, Any]], device: Device) -> list[str]:
 
 
 def markdown(results: list[dict[str, Any]], device: Device, cpu_model: str | None, command: str,
-             seconds: float, load: tuple[tuple[float, ...], tuple[float, ...]]) -> str:
+             seconds: float, load: tuple[tuple[float, ...], tuple[float, ...]], pending: list[int] = ()) -> str:
+    """The report of ``results``; ``pending``: the sizes not measured yet (the report says it is
+    incomplete)."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = [
         "# Dense latency by policy and kernel, beside Keras 3's int8 Dense and the raw XLA dots",
         "",
+        *([f"**Incomplete:** written after N = {results[-1]['size']}; not measured yet: N = "
+           f"{', '.join(str(n) for n in pending)}.", ""] if pending else []),
         f"Produced by `{command}` on {now} in {seconds:.0f} s.",
         "",
         *device_lines(device, cpu_model),
@@ -430,11 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = ", ".join(f"{r['name']} {r['vs_float32'][0]:.2f}x" for r in res["rows"] if r["name"] != BASELINE)
         print(f"[N={size}] float32 {res['timings'][BASELINE].median * 1e3:.2f} ms; {summary}", file=sys.stderr)
         if i + 1 < len(args.sizes):  # the sizes done so far survive an interrupt or a time limit
-            rest = ", ".join(str(n) for n in args.sizes[i + 1:])
-            partial = markdown(results, device, cpu_model, command, time.perf_counter() - start,
-                               (load_before, os.getloadavg()))
-            _atomic.write_text(out_path, partial.replace(
-                "\n\n", f"\n\n**Incomplete:** written after N = {size}; not measured yet: N = {rest}.\n\n", 1))
+            _atomic.write_text(out_path, markdown(results, device, cpu_model, command, time.perf_counter() - start,
+                                                  (load_before, os.getloadavg()), pending=args.sizes[i + 1:]))
     report = markdown(results, device, cpu_model, command, time.perf_counter() - start, (load_before, os.getloadavg()))
     print(report, end="")
     _atomic.write_text(out_path, report)

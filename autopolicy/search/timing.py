@@ -193,9 +193,9 @@ def _carried_step(candidate: Candidate) -> tuple[Callable[..., Any], list]:
     return step, arrays
 
 
-def check_carry(candidate: Candidate) -> None:
+def check_carry(candidate: Candidate) -> tuple[Callable[..., Any], list]:
     """Raises ValueError unless ``candidate.carry`` returns its inputs' structure, shapes and
-    dtypes (traced only: nothing runs)."""
+    dtypes (traced only: nothing runs); else returns :func:`_carried_step`'s ``(step, arrays)``."""
     step, arrays = _carried_step(candidate)
     zero = jnp.zeros((), jnp.float32)
     _, _, nxt = jax.eval_shape(step, candidate.state, arrays, zero, zero)
@@ -203,13 +203,13 @@ def check_carry(candidate: Candidate) -> None:
     got = [jax.ShapeDtypeStruct(n.shape, n.dtype) for n in nxt]
     if got != given:
         raise ValueError(f"carry(inputs, outputs) must keep the inputs' shapes and dtypes {given}. Received: {got}")
+    return step, arrays
 
 
 def _compile_carried_loop(candidate: Candidate, inner: int | None) -> Callable[..., None]:
     """:func:`compile_loop` for a stateful step (``candidate.carry``): the inputs' arrays are the
     loop's carry, donated to each call and replaced by what it returns."""
-    check_carry(candidate)
-    step, arrays = _carried_step(candidate)
+    step, arrays = check_carry(candidate)
 
     def loop(state, arrays, eps, count):
         zero = jnp.zeros((), jnp.float32)

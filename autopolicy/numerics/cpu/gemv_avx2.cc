@@ -26,10 +26,6 @@
 namespace autopolicy_cpu {
 namespace {
 
-// Ranges of at most this many columns (a decoder's projections) prefetch the next pass's rows;
-// see int8_stream_bytes.
-constexpr int64_t kNarrowColumns = 2048;
-
 inline __m256i pair_of(const int8_t* x, int64_t i, int64_t k) {
   const int32_t a = x[i];
   const int32_t b = i + 1 < k ? x[i + 1] : 0;
@@ -105,17 +101,24 @@ bool within_127(const int8_t* x, int64_t k) {
   return true;
 }
 
-// Puts the sums of columns [n0, n1) (chunks of 32 kept as [0-3|16-19], [4-7|20-23],
-// [8-11|24-27], [12-15|28-31] while summing) back in column order.
+// The int32 sums of 32 columns as the unpacks leave them ([0-3|16-19], [4-7|20-23],
+// [8-11|24-27], [12-15|28-31]) in column order: out[q] holds columns 8q .. 8q + 7.
+inline void in_order32(const __m256i* s, __m256i (&out)[4]) {
+  out[0] = _mm256_permute2x128_si256(s[0], s[1], 0x20);
+  out[1] = _mm256_permute2x128_si256(s[2], s[3], 0x20);
+  out[2] = _mm256_permute2x128_si256(s[0], s[1], 0x31);
+  out[3] = _mm256_permute2x128_si256(s[2], s[3], 0x31);
+}
+
+// Puts the sums of columns [n0, n1), kept in that order per chunk of 32, back in column order.
 inline void unpermute32(int32_t* row, int64_t n0, int64_t n1) {
   for (int64_t c = n0; c < n1; c += 32) {
     __m256i* p = reinterpret_cast<__m256i*>(row + c);
-    const __m256i a = _mm256_loadu_si256(p), b = _mm256_loadu_si256(p + 1);
-    const __m256i e = _mm256_loadu_si256(p + 2), f = _mm256_loadu_si256(p + 3);
-    _mm256_storeu_si256(p, _mm256_permute2x128_si256(a, b, 0x20));
-    _mm256_storeu_si256(p + 1, _mm256_permute2x128_si256(e, f, 0x20));
-    _mm256_storeu_si256(p + 2, _mm256_permute2x128_si256(a, b, 0x31));
-    _mm256_storeu_si256(p + 3, _mm256_permute2x128_si256(e, f, 0x31));
+    const __m256i s[4] = {_mm256_loadu_si256(p), _mm256_loadu_si256(p + 1), _mm256_loadu_si256(p + 2),
+                          _mm256_loadu_si256(p + 3)};
+    __m256i ordered[4];
+    in_order32(s, ordered);
+    for (int q = 0; q < 4; ++q) _mm256_storeu_si256(p + q, ordered[q]);
   }
 }
 
@@ -130,8 +133,8 @@ inline void unpermute32(int32_t* row, int64_t n0, int64_t n1) {
 // others. x = -128 would turn the sign the wrong way (-(-128) is -128 in a byte): int8_rows
 // checks, and sends such rows to int8_stream, exact for every int8 value. The quantizer never
 // makes -128.
-// Measured on a SmolLM2-135M decode step (2-core Xeon, AUTOPOLICY_CPU_PATH=avx2, int8
-// everywhere): 2.02-2.05x float32's speed with int8_stream alone, 2.69-2.81x with this kernel.
+// Measured on a SmolLM2-135M decode step (2-core Xeon with AVX-512, VNNI and AMX, the AVX2 path
+// forced with AUTOPOLICY_CPU_PATH=avx2, int8 everywhere): 2.02-2.05x float32's speed with int8_stream alone, 2.69-2.81x with this kernel.
 // Only for ranges of at most kNarrowColumns (a decoder's projections, where the prefetched rows
 // are read microseconds later); wider ones (a 4096-column layer, an output head) stay on
 // int8_stream, whose four long rows a pass the hardware prefetchers follow (16 long rows a pass
@@ -150,11 +153,7 @@ void int8_stream_bytes(const int8_t* x, int64_t k, const int8_t* w, int64_t n, i
     __m256i xq[Q][R];
     for (int u = 0; u < Q; ++u)
       for (int r = 0; r < R; ++r) {
-        const int8_t* xr = x + r * k + i + 4 * u;
-        uint32_t quad = 0;
-        for (int j = 0; j < 4 && i + 4 * u + j < k; ++j)
-          quad |= static_cast<uint32_t>(static_cast<uint8_t>(xr[j])) << (8 * j);
-        xq[u][r] = _mm256_set1_epi32(static_cast<int32_t>(quad));
+        xq[u][r] = _mm256_set1_epi32(quad_of(x + r * k, i + 4 * u, k));
       }
     // The next pass's rows, fetched while this one runs (one line of each row per 64 columns).
     const int8_t* ahead = i + 8 * Q <= k ? w + (i + 4 * Q) * n : nullptr;
@@ -281,10 +280,10 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
       const __m256i corr = _mm256_set1_epi32(correction[r]);
       for (int64_t c = n0; c < n1; c += 32) {
         const __m256i* p = reinterpret_cast<const __m256i*>(sums + r * width + (c - n0));
-        const __m256i a = _mm256_loadu_si256(p), b = _mm256_loadu_si256(p + 1);
-        const __m256i e = _mm256_loadu_si256(p + 2), f = _mm256_loadu_si256(p + 3);
-        const __m256i ordered[4] = {_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(e, f, 0x20),
-                                    _mm256_permute2x128_si256(a, b, 0x31), _mm256_permute2x128_si256(e, f, 0x31)};
+        const __m256i s4[4] = {_mm256_loadu_si256(p), _mm256_loadu_si256(p + 1), _mm256_loadu_si256(p + 2),
+                               _mm256_loadu_si256(p + 3)};
+        __m256i ordered[4];
+        in_order32(s4, ordered);
         for (int q = 0; q < 4; ++q) {
           const __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ordered[q], corr)),
                                             _mm256_loadu_ps(s + c + 8 * q));

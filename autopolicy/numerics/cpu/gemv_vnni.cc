@@ -41,13 +41,6 @@ namespace {
 
 constexpr int64_t kChunk = 64;  // columns a vector of bytes holds
 
-// x[i .. i + 3] as one int32 word (bytes past k are zero: the pad rows contribute nothing).
-inline int32_t quad_of(const int8_t* x, int64_t i, int64_t k) {
-  uint32_t v = 0;
-  for (int64_t j = 0; j < 4 && i + j < k; ++j) v |= static_cast<uint32_t>(static_cast<uint8_t>(x[i + j])) << (8 * j);
-  return static_cast<int32_t>(v);
-}
-
 // The rows of x as quads ([row][quad]).
 void pack_quads(const int8_t* x, int rows, int64_t k, std::vector<int32_t>& quads) {
   const int64_t count = (k + 3) / 4;
@@ -109,9 +102,9 @@ void int8_stream(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t
       for (int r = 0; r < R; ++r) xw[u][r] = i / 4 + u < count ? xq[r * count + i / 4 + u] : 0;
     // The next pass's rows, fetched while this one runs (as int4_stream does), at one or two rows
     // of x (decoding: the weights stream from memory once; with more rows the passes re-read
-    // weights the caches hold, and the prefetches cost more than they bring) and over at most
-    // 2048 columns (a pass of longer rows ends too late for its prefetches to stay in the caches).
-    const int8_t* ahead = R <= 2 && n1 - n0 <= 2048 && i + 8 * kQuads <= k ? w + (i + 4 * kQuads) * n : nullptr;
+    // weights the caches hold, and the prefetches cost more than they bring) over narrow ranges.
+    const int8_t* ahead =
+        R <= 2 && n1 - n0 <= kNarrowColumns && i + 8 * kQuads <= k ? w + (i + 4 * kQuads) * n : nullptr;
     for (int64_t c = n0; c < n1; c += kChunk) {
       if (ahead != nullptr)
         for (int j = 0; j < 4 * kQuads; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * n + c), _MM_HINT_T0);

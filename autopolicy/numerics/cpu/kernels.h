@@ -123,6 +123,20 @@ std::string dims_of(const Dims& d) {
   return s + (d.size() == 1 ? ",)" : ")");
 }
 
+// Ranges of at most this many columns (a decoder's projections) stream 16 K rows a pass and
+// prefetch the next pass's rows, which the thread reads microseconds later; wider ones (a
+// 4096-column layer, an output head) leave long rows to the hardware prefetchers (measured
+// slower with the prefetches there). Both the AVX2 and the AVX512-VNNI int8/int4 streams.
+constexpr int64_t kNarrowColumns = 2048;
+
+// x[i .. i + 3] as one int32 word, byte j = x[i + j] (bytes past k are zero: the pad rows
+// contribute nothing): one quad of K rows, as vpdpbusd and the AVX2 byte kernel take it.
+inline int32_t quad_of(const int8_t* x, int64_t i, int64_t k) {
+  uint32_t v = 0;
+  for (int64_t j = 0; j < 4 && i + j < k; ++j) v |= static_cast<uint32_t>(static_cast<uint8_t>(x[i + j])) << (8 * j);
+  return static_cast<int32_t>(v);
+}
+
 // The portable reference path (plain C++).
 void int8_portable(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1,
                    int32_t* acc);
