@@ -3,6 +3,7 @@ for bit on every instruction-set path this CPU has, the portable one forced too;
 epilogue of int4 within float32 rounding; the fused dense calls (quantize, product, rescale,
 bias in one call) equal to the package's XLA path bit for bit; clean fallbacks and errors."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -244,6 +245,29 @@ def _int8_kernel(k, n, seed, adversarial):
     return q.astype(np.int8), rng.uniform(1e-3, 0.1, (1, n)).astype(np.float32)
 
 
+# The XLA references the fused calls equal bit for bit, compiled at XLA's default optimisation
+# level: the test run compiles at level 0 (conftest), where LLVM forms no fused multiply-adds and the
+# float epilogue rounds differently (by one unit in the last place).
+_AS_USERS_COMPILE = {"xla_backend_optimization_level": 3}
+
+
+@functools.cache
+def _fused_int8_programs(with_bias):
+    """(XLA, kernel) programs of the int8 layer, shared by every path, shape and input (the path
+    is chosen when the kernel runs, so one compilation serves them all). One program a bias case:
+    XLA rounds the rescale and the bias add once (one multiply-add) only where the output without
+    the bias is not also an output of the program."""
+
+    def xla(a, q, w_scale, b):  # the layer as XLA runs it: quantize, s8 x s8 -> s32 dot, rescale, + bias
+        y = int8.int8_einsum("mk,kn->mn", a, q, w_scale, a.dtype, None, "s8s8")
+        return y + b if with_bias else y
+
+    def ffi(a, q, w_scale, b):
+        return cpu_kernels.int8_dense(a, q, w_scale, b if with_bias else None)
+
+    return jax.jit(xla, compiler_options=_AS_USERS_COMPILE), jax.jit(ffi)
+
+
 @needs_kernels
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows,k,n", DENSE_SHAPES)
@@ -252,22 +276,34 @@ def _int8_kernel(k, n, seed, adversarial):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_fused_int8_dense_equals_the_xla_path(path, rows, k, n, dtype, adversarial, with_bias, path_restored):
     cpu_kernels.set_path(path)
-    x = jnp.asarray(_float_input(rows, k, rows * k + n, adversarial)).astype(dtype)
+    x = _float_input(rows, k, rows * k + n, adversarial).astype(dtype)  # numpy casts: no compilations
     q, w_scale = _int8_kernel(k, n, k + n, adversarial)
-    bias = jnp.asarray(np.random.default_rng(n).standard_normal(n).astype(np.float32)).astype(dtype)
-    b = bias if with_bias else jnp.zeros((n,), dtype)
+    b = np.random.default_rng(n).standard_normal(n).astype(np.float32).astype(dtype)
+    xla, ffi = _fused_int8_programs(with_bias)
 
-    def xla(a, b):  # the layer as XLA runs it: quantize, s8 x s8 -> s32 dot, rescale, + bias
-        y = int8.int8_einsum("mk,kn->mn", a, q, w_scale, dtype, None, "s8s8")
-        return y + b if with_bias else y
-
-    expected = jax.jit(xla)(x, b)
-    got = jax.jit(lambda a, b: cpu_kernels.int8_dense(a, q, w_scale, b if with_bias else None))(x, b)
+    expected = xla(x, q, w_scale, b)
+    got = ffi(x, q, w_scale, b)
     assert got.dtype == jnp.dtype(dtype) and got.shape == (rows, n)
-    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32)))
+    got, expected = np.asarray(got).astype(np.float32), np.asarray(expected).astype(np.float32)
+    np.testing.assert_array_equal(got, expected)
     if adversarial:  # the zero row quantizes to zeros: its output is the bias alone
-        np.testing.assert_array_equal(np.asarray(got[-1].astype(jnp.float32)),
-                                      np.asarray(b.astype(jnp.float32)) if with_bias else np.zeros(n, np.float32))
+        np.testing.assert_array_equal(got[-1], b.astype(np.float32) if with_bias else np.zeros(n, np.float32))
+
+
+@functools.cache
+def _fused_int4_programs(block):
+    """(unfused, fused) programs of the int4 layer at one block size, each giving the outputs
+    without and with the bias, shared by every path, shape and input."""
+
+    def unfused(a, packed, scale, b):
+        xq, xs = int8.quantize_symmetric(a, (1,))
+        y = (cpu_kernels.int4_matmul(xq, packed, scale, block) * xs).astype(a.dtype)
+        return y, y + b
+
+    def fused(a, packed, scale, b):
+        return cpu_kernels.int4_dense(a, packed, scale, block, None), cpu_kernels.int4_dense(a, packed, scale, block, b)
+
+    return jax.jit(unfused, compiler_options=_AS_USERS_COMPILE), jax.jit(fused)
 
 
 @needs_kernels
@@ -281,21 +317,17 @@ def test_the_fused_int4_dense_equals_the_unfused_call(path, rows, k, n, block, d
     int4 layer's ``cpu_ffi`` path before the fused call): equal bit for bit."""
     cpu_kernels.set_path(path)
     block = k if block == "channel" else block
-    x = jnp.asarray(_float_input(rows, k, rows + k * n, adversarial=True)).astype(dtype)
+    x = _float_input(rows, k, rows + k * n, adversarial=True).astype(dtype)
     rng = np.random.default_rng(block + n)
     packed = int4.pack_int4(jnp.asarray(rng.choice(np.array([-8, 7, -1, 3], np.int8), (k, n))))
     scale = jnp.asarray(rng.uniform(1e-3, 0.1, (-(-k // block), n)).astype(np.float32))
-    b = jnp.asarray(rng.standard_normal(n).astype(np.float32)).astype(dtype)
+    b = rng.standard_normal(n).astype(np.float32).astype(dtype)
+    unfused, fused = _fused_int4_programs(block)
 
-    def unfused(a, b):
-        xq, xs = int8.quantize_symmetric(a, (1,))
-        y = (cpu_kernels.int4_matmul(xq, packed, scale, block) * xs).astype(dtype)
-        return y + b if with_bias else y
-
-    expected = jax.jit(unfused)(x, b)
-    got = jax.jit(lambda a, b: cpu_kernels.int4_dense(a, packed, scale, block, b if with_bias else None))(x, b)
+    expected = unfused(x, packed, scale, b)[with_bias]
+    got = fused(x, packed, scale, b)[with_bias]
     assert got.dtype == jnp.dtype(dtype) and got.shape == (rows, n)
-    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(got).astype(np.float32), np.asarray(expected).astype(np.float32))
 
 
 @needs_kernels

@@ -6,6 +6,7 @@ Tolerance: ``1e-5 * sum_k |x[k]| * scale[n, g(k)] * (q[n, k] + zero[n, g(k)])`` 
 the magnitude of the terms the kernel sums (so also where they cancel to a small output).
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -35,6 +36,9 @@ def path_restored():
         cpu_kernels.set_path(PATHS[0])
 
 
+_store = jax.jit(weight_only.store, static_argnums=(4, 5))  # one compilation a shape, not one an op
+
+
 def _weights(n, k, bits, group_size, seed, awq=False, extremes=False):
     """Stored GPTQ/AWQ weights (Keras's layout) of random grid values, scales and zero points;
     ``extremes``: only the grid's ends, 0 and 2**bits - 1, for values and zero points."""
@@ -47,8 +51,7 @@ def _weights(n, k, bits, group_size, seed, awq=False, extremes=False):
     else:
         q, zero = rng.integers(0, maxq + 1, (n, k)), rng.integers(0, maxq + 1, (n, groups))
     scale = rng.uniform(0.01, 0.2, (n, groups)).astype(np.float32)
-    stored = weight_only.store(jnp.asarray(q), jnp.asarray(scale), jnp.asarray(zero),
-                               weight_only.group_index(k, group_size), bits, jnp.float32)
+    stored = _store(q, scale, zero, weight_only.group_index(k, group_size), bits, jnp.float32)
     if awq:
         stored["awq_scales"] = jnp.asarray(rng.uniform(0.25, 4.0, (k,)).astype(np.float32))
     return stored, q, zero, scale
@@ -73,9 +76,15 @@ def _bound(x, weights, q, zero, scale, group_size):
     return xs @ terms.T
 
 
+@functools.cache
+def _program(layout, kernel, dtype):
+    """One jitted product per layout, kernel and dtype, shared by every path, shape and input (the
+    path is chosen when the kernel runs)."""
+    return jax.jit(lambda x_, w_: weight_only.einsum_kernel("mk,kn->mn", x_, w_, layout, dtype, kernel=kernel))
+
+
 def _run(x, weights, layout, kernel, dtype=jnp.float32):
-    fn = jax.jit(lambda x_, w_: weight_only.einsum_kernel("mk,kn->mn", x_, w_, layout, dtype, kernel=kernel))
-    return fn(x, weights)
+    return _program(layout, kernel, jnp.dtype(dtype))(x, weights)
 
 
 def _assert_close_to_xla(x, weights, q, zero, scale, bits, group_size):
