@@ -168,7 +168,10 @@ def summary(result: Any) -> dict[str, Any]:
         },
         "float32": _entry(float32, budget),
         "best_uniform": best_uniform.uniform,
-        "speedup_vs_float32": float32.measured_latency_s / chosen.measured_latency_s,
+        # The median of the paired per-round ratios, the statistic its interval is for; the ratio of
+        # the two medians (which may pool rounds of other phases) only where no paired rounds exist.
+        "speedup_vs_float32": (float32.measured_latency_s / chosen.measured_latency_s if chosen.speedup is None
+                               else chosen.speedup),
         "speedup_vs_float32_interval": None if chosen.speedup_low is None else [chosen.speedup_low, chosen.speedup_high],
         "speedup_vs_best_uniform": best_uniform.measured_latency_s / chosen.measured_latency_s,
         "uniform": {name: _entry(e, budget) for name, e in uniforms.items()},
