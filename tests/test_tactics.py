@@ -73,6 +73,41 @@ def test_kernel_choices_follow_the_device(model, monkeypatch):
     assert layer.kernel_choices() == ("u8s8", "s8s8") + FFI
 
 
+def _timed_as(seconds, cv):
+    """A stand-in for timing.measure: every candidate at its given seconds and spread."""
+    def measure(todo, repeats):
+        return {name: search.timing.Timing(seconds[name], seconds[name], seconds[name], cv, repeats, 1) for name in todo}
+    return measure
+
+
+@pytest.mark.parametrize("second_run,kept", [
+    # The first run timed u8s8 1.0 ms and s8s8 1.2 ms (ms; the two runs' mean decides).
+    ({"u8s8": 1.00, "s8s8": 0.97}, "u8s8"),  # s8s8 faster now, slower on both runs together
+    ({"u8s8": 1.00, "s8s8": 0.75}, "u8s8"),  # s8s8 faster now by 25%, on both runs by 2.5%: within the margin
+    ({"u8s8": 1.00, "s8s8": 0.60}, "s8s8"),  # s8s8 clearly faster on both runs together (0.90 ms): it wins
+    ({"u8s8": 1.40, "s8s8": 1.00}, "s8s8"),  # u8s8 clearly slower now: s8s8 (1.1 ms) beats it (1.2 ms) together
+])
+def test_a_noisy_timing_measured_again_keeps_the_earlier_kernel_unless_another_is_clearly_faster(
+        model, monkeypatch, tmp_path, second_run, kept):
+    monkeypatch.setattr(kernels, "current_device", lambda: AVX2)  # default s8s8, then u8s8
+    monkeypatch.setattr(cpu_kernels, "AVAILABLE", False)  # two kernels: the XLA ones
+    adapter = get_adapter(model, (X,), [(X,)])
+    sites = profiling.sites(adapter.layers(), [policies.get("int8_from_float32")])
+    names = {"s8s8": "int8_from_float32@s8s8", "u8s8": "int8_from_float32@u8s8", "float32": "float32"}
+    with MeasurementCache(str(tmp_path)) as cache:  # the first run: u8s8 clearly faster, all timings noisy
+        monkeypatch.setattr(search.timing, "measure", _timed_as(
+            {names["s8s8"]: 1.2e-3, names["u8s8"]: 1.0e-3, "float32": 2e-3}, cv=0.3))
+        first = profiling.layer_latency(adapter, sites[0], cache, "fp", repeats=3)
+    assert first["int8_from_float32"].kernel == "u8s8"
+    with MeasurementCache(str(tmp_path)) as cache:  # a later run measures the noisy timings again
+        monkeypatch.setattr(search.timing, "measure", _timed_as(
+            {names[k]: 1e-3 * v for k, v in second_run.items()} | {"float32": 2e-3}, cv=0.3))
+        again = profiling.layer_latency(adapter, sites[0], cache, "fp", repeats=3)
+    assert again["int8_from_float32"].kernel == kept
+    assert again["int8_from_float32"].latency_s == pytest.approx(1e-3 * second_run[kept])
+    assert dict(again["int8_from_float32"].tactics) == pytest.approx({k: 1e-3 * v for k, v in second_run.items()})
+
+
 def test_the_search_times_every_kernel_and_keeps_the_fastest(model, monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "current_device", lambda: VNNI)  # both int8 kernels worth timing
     adapter = get_adapter(model, (X,), [(X,)])
