@@ -109,7 +109,8 @@ def layer_latency(
     A policy whose mode has several kernels (tactics) is timed with each of them, at the layer's
     real shape, and keeps the fastest (its ``kernel``; every kernel's median is in ``tactics``).
     Layers with equal signatures share their cached timings: identical blocks are timed once. A
-    cached timing whose spread says it was noisy is measured again, once, in a later run.
+    cached timing whose spread says it was noisy is measured again, once, in a later run, which
+    keeps the earlier run's kernel unless another is clearly faster on both runs' timings.
     ``finite`` says whether the output on the real input is free of inf/NaN (a float16 overflow
     disqualifies the policy).
     """
