@@ -184,6 +184,7 @@ def test_a_model_holding_linen_is_refused(x):
         af.FlaxAdapter(Mixed(nnx.Rngs(0)), (x,), [])
 
 
+@pytest.mark.slow  # 10 s on a fresh run on 2 cores (compiling the tune's models)
 def test_tune_an_nnx_model_end_to_end(net, x):
     reference = net(x)
     result = search.tune(net, eval_fn=lambda m: -float(jnp.mean((m(x).astype(jnp.float32) - reference) ** 2)),
