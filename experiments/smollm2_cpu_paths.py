@@ -25,7 +25,7 @@ import report_smollm2  # noqa: E402
 import smollm2  # noqa: E402
 
 from autopolicy.numerics import cpu_kernels  # noqa: E402
-from autopolicy.numerics.device import current_device, read_cpuinfo  # noqa: E402
+from autopolicy.search import hardware  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_kernels.AVAILABLE:
         print(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
         return 1
-    device = current_device()
     model, _, tok = smollm2.load()
     batches = [smollm2.windows(tok, "calibration", 8)[:4]]
     models = {"float32": model}
@@ -47,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         built = report_smollm2.calibrated(model.with_dtype_policy(policy), model, batches, cache)
         models[policy] = report_smollm2.with_kernels(built)
     paths = cpu_kernels.supported_paths()
-    cpu_model, _ = read_cpuinfo()
-    print(f"CPU: {cpu_model}; features: {', '.join(device.cpu_features)}; paths: {', '.join(paths)}", flush=True)
+    print(f"device: {hardware.describe()}; CPU kernel paths: {', '.join(paths)}", flush=True)
     ratios: dict[tuple[str, str], list[float]] = {}
     f32: list[float] = []
     try:

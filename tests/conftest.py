@@ -10,7 +10,7 @@ Set up before JAX is imported, for a fast run under pytest-xdist (``-n auto``):
 - XLA compiles at backend optimisation level 0 (``--xla_backend_optimization_level=0``; LLVM's
   code generation without its optimisations), unless ``XLA_FLAGS`` already names the level:
   compiling is most of the suite's time (backend compilation 55% of the fast tier's, measured with
-  ``jax.monitoring``), and level 0 compiles in 25-40% less. The tests' numerics do not depend on
+  ``jax.monitoring``), and level 0 compiles in 20-40% less. The tests' numerics do not depend on
   it, except where a test equals a fused kernel's float epilogue bit for bit: level 0 forms no
   fused multiply-adds, so those references compile at level 3, XLA's default, as users run them.
 - JAX's persistent compilation cache is on for the run, in the git-ignored ``.cache/jax-tests``

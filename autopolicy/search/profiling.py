@@ -170,10 +170,9 @@ def layer_latency(
             # that choices within the noise do not flip (each flip changes the models, and their
             # end-to-end timings could not be reused).
             before = _winner(names, earlier)
-            both = {n: {"latency_s": (earlier[n]["latency_s"] + records[n]["latency_s"]) / 2} for n in names}
-            fastest = min(names, key=lambda n: both[n]["latency_s"])
-            clearly = both[fastest]["latency_s"] < (1.0 - TACTIC_MARGIN) * both[before]["latency_s"]
-            best = fastest if clearly else before
+            both = {n: (earlier[n]["latency_s"] + records[n]["latency_s"]) / 2 for n in names}
+            fastest = min(names, key=both.get)
+            best = fastest if both[fastest] < (1.0 - TACTIC_MARGIN) * both[before] else before
         tactics = tuple((k, records[n]["latency_s"]) for n, k in mine if k)
         out[policy.name] = dataclasses.replace(LayerTiming.from_record(records[best]), tactics=tactics)
     return out

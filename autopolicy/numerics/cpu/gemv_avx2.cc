@@ -134,7 +134,8 @@ inline void unpermute32(int32_t* row, int64_t n0, int64_t n1) {
 // checks, and sends such rows to int8_stream, exact for every int8 value. The quantizer never
 // makes -128.
 // Measured on a SmolLM2-135M decode step (2-core Xeon with AVX-512, VNNI and AMX, the AVX2 path
-// forced with AUTOPOLICY_CPU_PATH=avx2, int8 everywhere): 2.02-2.05x float32's speed with int8_stream alone, 2.69-2.81x with this kernel.
+// forced with AUTOPOLICY_CPU_PATH=avx2, int8 everywhere): 2.02-2.05x float32's speed with
+// int8_stream alone, 2.69-2.81x with this kernel.
 // Only for ranges of at most kNarrowColumns (a decoder's projections, where the prefetched rows
 // are read microseconds later); wider ones (a 4096-column layer, an output head) stay on
 // int8_stream, whose four long rows a pass the hardware prefetchers follow (16 long rows a pass
