@@ -108,6 +108,39 @@ def test_build_needs_a_key():
         mlp().build(0, X)
 
 
+def _compiled(caplog) -> list[str]:
+    return [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")]
+
+
+def test_building_traces_without_compiling_and_a_rebuild_keeps_the_weights(caplog):
+    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():
+        built = Net(name="net").build(jax.random.key(0), X)
+        again = built.build(jax.random.key(1), X)
+    assert _compiled(caplog) == []
+    assert again.blocks[1].out.kernel is built.blocks[1].out.kernel
+    assert built.blocks[0].norm.gamma.dtype == jnp.float32 and built.head.kernel.shape == (6, 2)
+
+
+class _Ramp(nn.Module):
+    """Keeps an array computed while building that is neither a weight nor an input."""
+
+    def build_variables(self, x):
+        self.add_weight("bias", (x.shape[-1],), "ones")
+        self.ramp = jnp.arange(x.shape[-1], dtype=jnp.float32) * 2.0
+
+    def call(self, x):
+        return x + self.bias + self.ramp
+
+
+def test_an_array_computed_while_building_is_computed_for_real(caplog):
+    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():
+        built = _Ramp().build(jax.random.key(0), X)
+    assert _compiled(caplog) == ["jit(build_pass)"]
+    np.testing.assert_array_equal(built.ramp, [0.0, 2.0, 4.0, 6.0, 8.0, 10.0])
+    np.testing.assert_array_equal(built.bias, np.ones(6, np.float32))
+    np.testing.assert_allclose(built(X), X + 1.0 + built.ramp, rtol=1e-6)
+
+
 def test_pytree_round_trip_keeps_every_field():
     model = Net(name="net").build(jax.random.key(0), X).quantize("int8", filter=lambda p, l: p.endswith("out"))
     leaves, treedef = jax.tree_util.tree_flatten(model)

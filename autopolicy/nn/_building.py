@@ -44,8 +44,10 @@ class Building:
         state = _context.BuildState(key)
         result: dict[str, Any] = {}
 
-        # The pass that discovers shapes runs traced, with zero placeholders for new weights:
-        # it compiles to little more than the placeholders. Weights are drawn afterwards.
+        # The pass that discovers shapes runs traced, with zero placeholders for new weights;
+        # the weights are drawn afterwards. Traced only, not compiled, when every leaf it
+        # returns is a placeholder or one of the model's own arrays passed through (the usual
+        # case: an XLA compilation per build was a quarter of building a small model).
         def build_pass(own, arrays):
             inputs = list(input_leaves)
             for i, value in zip(traced, arrays):
@@ -60,9 +62,18 @@ class Building:
             leaves, result["treedef"] = jax.tree_util.tree_flatten(work)
             placeholders = {id(p): i for i, (p, _) in enumerate(state.requests)}
             result["requests"] = [(j, placeholders[id(x)]) for j, x in enumerate(leaves) if id(x) in placeholders]
+            passed = {id(x): i for i, x in enumerate(own)}
+            result["passed"] = [passed.get(id(x)) for x in leaves]
             return leaves
 
-        leaves = list(jax.jit(build_pass)(own_leaves, [input_leaves[i] for i in traced]))
+        arrays = [input_leaves[i] for i in traced]
+        shapes = jax.eval_shape(build_pass, own_leaves, arrays)
+        made = {j for j, _ in result["requests"]}
+        if all(i is not None or j in made for j, i in enumerate(result["passed"])):
+            leaves = [shape if i is None else own_leaves[i] for shape, i in zip(shapes, result["passed"])]
+        else:  # some leaf is computed in the pass (not a weight, not an input): run it (jit
+            # reuses eval_shape's trace; were it traced again, its requests index the new ones)
+            leaves = list(jax.jit(build_pass)(own_leaves, arrays))
         if result["unbuilt"]:
             raise RuntimeError(
                 f"These layers were never called while building, so have no weights: {result['unbuilt']}"

@@ -155,4 +155,6 @@ def draw(
     words = np.asarray(jax.random.key_data(key)).astype(np.uint64).ravel().tolist()
     rng = np.random.default_rng(words + [zlib.crc32(path.encode("utf-8"))])
     values = _numpy_draw(initializer, rng, tuple(shape), *fan_axes).astype(np.float32)
-    return jnp.asarray(values).astype(dtype)
+    # Cast on the host (ml_dtypes rounds as XLA's convert does, to nearest even) and copy over:
+    # jnp.asarray(numpy).astype(...) compiles two programs per new weight shape.
+    return jax.device_put(values.astype(jnp.dtype(dtype)))

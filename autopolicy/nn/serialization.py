@@ -258,7 +258,7 @@ def _weights(raw: bytes, model: Module, dtypes: dict[str, Any], saved_format: st
                                f"({type(e).__name__}: {e})") from None
             if arr.shape != leaf.shape or dtype != leaf.dtype:
                 raise _Damaged(f"{key}: saved {dtype}{arr.shape}, the model has {leaf.dtype}{leaf.shape}")
-            values.append(jnp.asarray(_migrate(key, arr, saved_format)))
+            values.append(jax.device_put(np.asarray(_migrate(key, arr, saved_format))))
     return values
 
 

@@ -49,10 +49,16 @@ def sites(layers: Sequence[TunableLayer], candidates: Sequence[policies.DTypePol
 
 
 def _finite(out: Any) -> bool:
+    return all(_all_finite(x) for x in jax.tree_util.tree_leaves(out)
+               if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+
+
+def _all_finite(x: Any) -> bool:
+    if getattr(x, "is_fully_addressable", True):  # checked on the host: no compilation per shape
+        return bool(np.isfinite(np.asarray(x)).all())
     # jnp.all of an array that spans processes is a scalar replicated on every device: bool()
     # reads this process's copy.
-    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(out)
-               if jnp.issubdtype(jnp.result_type(x), jnp.inexact))
+    return bool(jnp.all(jnp.isfinite(x)))
 
 
 def _as_candidate(program: Any) -> timing.Candidate:
