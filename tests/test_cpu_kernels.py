@@ -187,6 +187,12 @@ def test_the_gemm_threshold_is_settable():
         cpu_kernels.gemm_min_rows("int2")
 
 
+@functools.cache
+def _int8_einsum_program(equation, dtype, kernel):
+    """The int8 einsum with one kernel, shared by every path (chosen when the kernel runs)."""
+    return jax.jit(lambda a, q, s: int8.int8_einsum(equation, a, q, s, dtype, None, kernel))
+
+
 @needs_kernels
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("equation,x_shape,k_shape", [("mk,kn->mn", (7, 48), (48, 40)),
@@ -196,13 +202,13 @@ def test_the_gemm_threshold_is_settable():
 def test_the_int8_einsum_is_bit_identical_to_xla(path, equation, x_shape, k_shape, dtype, path_restored):
     cpu_kernels.set_path(path)
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal(x_shape).astype(np.float32)).astype(dtype)
+    x = rng.standard_normal(x_shape).astype(np.float32).astype(dtype)  # numpy casts: no compilations
     axes = int8.contracted_axes(equation)[1]
-    kernel_q, scale = int8.quantize_symmetric(jnp.asarray(rng.standard_normal(k_shape).astype(np.float32)), axes)
-    xla = jax.jit(lambda a: int8.int8_einsum(equation, a, kernel_q, scale, dtype, None, "s8s8"))(x)
-    ffi = jax.jit(lambda a: int8.int8_einsum(equation, a, kernel_q, scale, dtype, None, "cpu_ffi"))(x)
+    kernel_q, scale = int8.quantize_symmetric(rng.standard_normal(k_shape).astype(np.float32), axes)
+    xla = _int8_einsum_program(equation, dtype, "s8s8")(x, kernel_q, scale)
+    ffi = _int8_einsum_program(equation, dtype, "cpu_ffi")(x, kernel_q, scale)
     assert ffi.dtype == jnp.dtype(dtype) and ffi.shape == xla.shape
-    np.testing.assert_array_equal(np.asarray(ffi.astype(jnp.float32)), np.asarray(xla.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(ffi).astype(np.float32), np.asarray(xla).astype(np.float32))
 
 
 @needs_kernels

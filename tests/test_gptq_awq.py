@@ -95,7 +95,8 @@ def test_names_parse_to_keras_classes(mode, cls, bits, group, source):
     assert repr(policy) == f'<{cls.__name__} "{name}">'
     assert ap.deserialize(json.loads(json.dumps(ap.serialize(policy)))) == policy
     assert hash(policy) == hash(ap.get(name)) and pickle.loads(pickle.dumps(policy)) == policy
-    assert jax.jit(lambda x, p: x, static_argnums=1)(1.0, policy) == 1.0
+    # A static argument of jit (hashed and compared); traced only, as compiling proves no more.
+    assert jax.jit(lambda x, p: x * 2.0, static_argnums=1).trace(1.0, policy).out_info.shape == ()
 
 
 def test_bits_and_groups_are_parts_of_equality():

@@ -18,7 +18,7 @@ TOLERANCE = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-3, "bfloat16": 2e-
 
 
 def f64(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, np.float64)
+    return np.asarray(x).astype(np.float64)  # bfloat16 too (ml_dtypes), with no compilation
 
 
 def ref_dense(layer, x):
@@ -110,15 +110,13 @@ def test_layer_under_policy(case, policy):
         call = (lambda m, a: m(a, a)) if case == "MultiHeadAttention" else (lambda m, a: m(a))
         layer = layer.build(jax.random.key(1), *([x] * (2 if case == "MultiHeadAttention" else 1)))
         x_in = jnp.asarray(x, jnp.float64 if policy == "float64" else jnp.float32)
-        out = call(layer, x_in)
+        out = call(layer, x_in)  # a call from plain Python runs compiled as a whole (jitted)
         assert out.dtype == jnp.dtype(p.compute_dtype)
         for path, leaf in layer.layers_by_path().items():
             for value in jax.tree_util.tree_leaves(leaf):
                 assert value.dtype == jnp.dtype(p.variable_dtype), (path, value.dtype)
         ref = reference(layer, np.asarray(x, np.float64))
         assert _rel_error(out, ref) < TOLERANCE[p.compute_dtype], case
-        jitted = jax.jit(call)(layer, x_in)
-        np.testing.assert_allclose(f64(jitted), f64(out), rtol=TOLERANCE[p.compute_dtype] * 10, atol=1e-6)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
