@@ -255,6 +255,8 @@ def _int8_kernel(k, n, seed, adversarial):
 # level: the test run compiles at level 0 (conftest), where LLVM forms no fused multiply-adds and the
 # float epilogue rounds differently (by one unit in the last place).
 _AS_USERS_COMPILE = {"xla_backend_optimization_level": 3}
+if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", ""):  # the tests' fast compiles
+    _AS_USERS_COMPILE["xla_cpu_use_fusion_emitters"] = True
 
 
 @functools.cache
