@@ -1,5 +1,7 @@
 """Small numerics helpers shared by the tests."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,16 @@ def relative_error(y, reference):
     """Norm of the difference over the norm of the reference, in float32."""
     y = jnp.asarray(y, jnp.float32)
     return float(jnp.linalg.norm(y - reference) / jnp.linalg.norm(reference))
+
+
+@functools.cache
+def digits():
+    """``autopolicy.datasets.digits()``, loaded once per process when a test first needs it: not
+    at import, which every pytest-xdist worker does for every module while collecting (importing
+    scikit-learn takes over a second)."""
+    from autopolicy import datasets  # pylint: disable=import-outside-toplevel
+
+    return datasets.digits()
 
 
 def gaussian(shape, seed=1):

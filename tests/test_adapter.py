@@ -3,6 +3,7 @@ holding two matmuls) is tuned through an adapter defined here; the search import
 
 import ast
 import dataclasses
+import functools
 import pathlib
 
 import jax
@@ -66,17 +67,23 @@ class TwoMatmulsAdapter:
         return adapter_module.digest_arrays(self.model.params)
 
 
-KEY = jax.random.key(0)
-PARAMS = {"w1": jax.random.normal(jax.random.fold_in(KEY, 1), (64, 128)) / 8,
-          "w2": jax.random.normal(jax.random.fold_in(KEY, 2), (128, 16)) / 11}
-X = jax.random.normal(jax.random.fold_in(KEY, 3), (256, 64))
-REFERENCE = np.asarray(TwoMatmuls(PARAMS)(X))
+# NumPy draws, copied over: nothing compiles when the module is imported (every pytest-xdist
+# worker imports it while collecting).
+_RNG = np.random.default_rng(0)
+PARAMS = {"w1": jax.device_put((_RNG.standard_normal((64, 128)) / 8).astype(np.float32)),
+          "w2": jax.device_put((_RNG.standard_normal((128, 16)) / 11).astype(np.float32))}
+X = jax.device_put(_RNG.standard_normal((256, 64)).astype(np.float32))
+
+
+@functools.cache
+def _reference():
+    return np.asarray(TwoMatmuls(PARAMS)(X))
 
 
 def fidelity(model):
     """1 - relative error of the outputs against float32 (1.0 exactly for float32)."""
-    out = np.asarray(model(X))
-    return 1.0 - float(np.linalg.norm(out - REFERENCE) / np.linalg.norm(REFERENCE))
+    out, reference = np.asarray(model(X)), _reference()
+    return 1.0 - float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
 
 
 def test_a_zero_budget_keeps_every_layer_in_float32():

@@ -11,21 +11,23 @@ import pytest
 
 import autopolicy as ap
 import autopolicy.nn as nn
-from autopolicy import datasets, train
+from autopolicy import train
 from autopolicy.mixed_precision import Policy
 from autopolicy.nn._partition import combine, partition
 from autopolicy.numerics import float8
 from autopolicy.train.loop import LOSS_SCALE_CHOICES, _make_step
-from helpers import assert_bit_identical
+from helpers import assert_bit_identical, digits
 
 # Each test trains or tunes (a module fixture alone takes ~20 s on two cores): run with the full
 # suite, left out of the quick loop `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
 
-DIGITS = datasets.digits()
-# 1056 = 33 batches of 32: one batch shape, so each run compiles its step once.
-X, Y = DIGITS.x_train[:1056], DIGITS.y_train[:1056]
 XENT = train.losses.sparse_categorical_crossentropy
+
+
+def _xy():
+    # 1056 = 33 batches of 32: one batch shape, so each run compiles its step once.
+    return digits().x_train[:1056], digits().y_train[:1056]
 
 
 def digits_mlp(dtype=None):
@@ -35,7 +37,7 @@ def digits_mlp(dtype=None):
         [nn.Dense(64, activation="relu"), nn.Dense(64, activation="relu"), nn.Dense(10)],
         name="mlp",
         dtype=dtype,
-    ).build(jax.random.key(0), X[:1])
+    ).build(jax.random.key(0), _xy()[0][:1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,12 +58,13 @@ TINY_DATA = (
 
 
 def accuracy(model):
-    return train.evaluate(model, (DIGITS.x_test, DIGITS.y_test), ["accuracy"])["accuracy"]
+    return train.evaluate(model, (digits().x_test, digits().y_test), ["accuracy"])["accuracy"]
 
 
 def batch(i):
     b = i % 33
-    return X[b * 32 : (b + 1) * 32], Y[b * 32 : (b + 1) * 32]
+    x, y = _xy()
+    return x[b * 32 : (b + 1) * 32], y[b * 32 : (b + 1) * 32]
 
 
 # --- NaN/Inf injected into a real run ------------------------------------------------------
@@ -149,7 +152,7 @@ def test_float16_gradients_that_underflow_train_with_loss_scaling():
 
     # Adam's default eps (1e-8) would dwarf gradients of ~1e-8 in float32 too.
     model, history = train.fit(
-        digits_mlp("mixed_float16"), optax.adam(3e-3, eps=1e-12), weighted_xent, (X, Y), epochs=5, progress=False
+        digits_mlp("mixed_float16"), optax.adam(3e-3, eps=1e-12), weighted_xent, _xy(), epochs=5, progress=False
     )
     assert history.loss_scale == 2.0**15 and history.skipped_steps == 0
     assert accuracy(model) >= 0.93
@@ -158,7 +161,7 @@ def test_float16_gradients_that_underflow_train_with_loss_scaling():
 def test_mixed_float16_matches_float32_accuracy_on_digits():
     scores = {}
     for policy in ("float32", "mixed_float16"):
-        model, history = train.fit(digits_mlp(policy), optax.adam(3e-3), XENT, (X, Y), epochs=10, progress=False)
+        model, history = train.fit(digits_mlp(policy), optax.adam(3e-3), XENT, _xy(), epochs=10, progress=False)
         scores[policy] = accuracy(model)
         assert model.layers[0].kernel.dtype == jnp.float32
     assert history.loss_scale == 2.0**15  # the mixed_float16 run was wrapped

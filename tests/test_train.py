@@ -7,13 +7,13 @@ import optax
 import pytest
 
 import autopolicy.nn as nn
-from autopolicy import datasets, train
+from autopolicy import train
+from helpers import digits
 
 # Each test trains or tunes (a module fixture alone takes ~20 s on two cores): run with the full
 # suite, left out of the quick loop `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
 
-DIGITS = datasets.digits()
 
 
 def digits_mlp(dtype=None):
@@ -21,17 +21,17 @@ def digits_mlp(dtype=None):
         [nn.Dense(64, activation="relu"), nn.Dense(64, activation="relu"), nn.Dense(10)],
         name="mlp",
         dtype=dtype,
-    ).build(jax.random.key(0), DIGITS.x_train[:1])
+    ).build(jax.random.key(0), digits().x_train[:1])
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_digits_mlp_reaches_95_percent(policy):
     model, history = train.fit(
         digits_mlp(policy), optax.adam(3e-3), "sparse_categorical_crossentropy",
-        (DIGITS.x_train, DIGITS.y_train), epochs=12, batch_size=32,
-        validation_data=(DIGITS.x_val, DIGITS.y_val), metrics=["accuracy"], progress=False,
+        (digits().x_train, digits().y_train), epochs=12, batch_size=32,
+        validation_data=(digits().x_val, digits().y_val), metrics=["accuracy"], progress=False,
     )
-    scores = train.evaluate(model, (DIGITS.x_test, DIGITS.y_test), ["accuracy"])
+    scores = train.evaluate(model, (digits().x_test, digits().y_test), ["accuracy"])
     assert scores["accuracy"] >= 0.95, scores
     assert len(history["loss"]) == 12 and history["loss"][-1] < history["loss"][0] / 5
     assert history["val_accuracy"][-1] >= 0.93
@@ -41,7 +41,7 @@ def test_digits_mlp_reaches_95_percent(policy):
 
 
 def test_fit_accepts_an_iterable_of_batches_and_is_deterministic():
-    batches = [(DIGITS.x_train[i : i + 64], DIGITS.y_train[i : i + 64]) for i in range(0, 640, 64)]
+    batches = [(digits().x_train[i : i + 64], digits().y_train[i : i + 64]) for i in range(0, 640, 64)]
     a, ha = train.fit(digits_mlp(), optax.sgd(0.1), "sparse_categorical_crossentropy", batches,
                       epochs=2, progress=False)
     b, hb = train.fit(digits_mlp(), optax.sgd(0.1), "sparse_categorical_crossentropy", batches,
@@ -53,11 +53,11 @@ def test_fit_accepts_an_iterable_of_batches_and_is_deterministic():
 
 def test_predict_matches_the_model_and_evaluate_reports_the_loss():
     model = digits_mlp()
-    out = train.predict(model, DIGITS.x_test, batch_size=100)
-    np.testing.assert_allclose(out, np.asarray(model(DIGITS.x_test)), rtol=1e-5, atol=1e-6)
-    scores = train.evaluate(model, (DIGITS.x_test, DIGITS.y_test), ["accuracy"],
+    out = train.predict(model, digits().x_test, batch_size=100)
+    np.testing.assert_allclose(out, np.asarray(model(digits().x_test)), rtol=1e-5, atol=1e-6)
+    scores = train.evaluate(model, (digits().x_test, digits().y_test), ["accuracy"],
                             loss="sparse_categorical_crossentropy")
-    expected = float(train.losses.sparse_categorical_crossentropy(DIGITS.y_test, jnp.asarray(out)))
+    expected = float(train.losses.sparse_categorical_crossentropy(digits().y_test, jnp.asarray(out)))
     assert scores["loss"] == pytest.approx(expected, rel=1e-5)
     assert 0.0 <= scores["accuracy"] <= 0.3  # untrained
 
@@ -80,7 +80,7 @@ def test_losses_compute_in_float32():
     ],
 )
 def test_bad_arguments(kwargs, text):
-    args = {"loss": "sparse_categorical_crossentropy", "train_data": (DIGITS.x_train, DIGITS.y_train),
+    args = {"loss": "sparse_categorical_crossentropy", "train_data": (digits().x_train, digits().y_train),
             "epochs": 1, "progress": False, **kwargs}
     with pytest.raises(ValueError) as info:
         train.fit(digits_mlp(), optax.sgd(0.1), **args)

@@ -1,5 +1,6 @@
 """The tuner end to end on a small digits MLP: budget, summary, files, overflow, resume, errors."""
 
+import functools
 import json
 
 import jax
@@ -9,36 +10,39 @@ import optax
 import pytest
 
 import autopolicy.nn as nn
-from autopolicy import datasets, search, train
+from autopolicy import search, train
+from helpers import digits
 
 # Each test trains or tunes (a module fixture alone takes ~20 s on two cores): run with the full
 # suite, left out of the quick loop `pytest -m "not slow"`.
 pytestmark = pytest.mark.slow
 
-DIGITS = datasets.digits()
-SAMPLE = jnp.asarray(np.resize(DIGITS.x_train, (512, 64)))
+
+@functools.cache
+def _sample():
+    return jax.device_put(np.resize(digits().x_train, (512, 64)))
 
 
 @pytest.fixture(scope="module")
 def trained():
     model = nn.Sequential(
         [nn.Dense(256, activation="relu"), nn.Dense(256, activation="relu"), nn.Dense(10)], name="mlp"
-    ).build(jax.random.key(0), DIGITS.x_train[:1])
+    ).build(jax.random.key(0), digits().x_train[:1])
     model, _ = train.fit(model, optax.adam(2e-3), "sparse_categorical_crossentropy",
-                         (DIGITS.x_train, DIGITS.y_train), epochs=6, progress=False)
+                         (digits().x_train, digits().y_train), epochs=6, progress=False)
     return model
 
 
 def val_accuracy(model):
-    return train.evaluate(model, (DIGITS.x_val, DIGITS.y_val))["accuracy"]
+    return train.evaluate(model, (digits().x_val, digits().y_val))["accuracy"]
 
 
 @pytest.fixture(scope="module")
 def result(trained, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    return search.tune(trained, val_accuracy, SAMPLE, max_drop=0.01, repeats=5, progress=False,
+    return search.tune(trained, val_accuracy, _sample(), max_drop=0.01, repeats=5, progress=False,
                        cache_dir=str(cache), profile_accuracy="always",
-                       test_fn=lambda m: train.evaluate(m, (DIGITS.x_test, DIGITS.y_test))["accuracy"])
+                       test_fn=lambda m: train.evaluate(m, (digits().x_test, digits().y_test))["accuracy"])
 
 
 def test_the_map_meets_the_budget_on_validation_data(trained, result):
@@ -129,14 +133,14 @@ def test_an_interrupted_run_resumes_without_repeating_work(trained, tmp_path):
     kwargs = dict(candidates=candidates, max_drop=0.01, repeats=3, progress=False, cache_dir=str(tmp_path),
                   profile_accuracy="always")
     with pytest.raises(Interrupted):
-        search.tune(trained, lambda m: counting(m, fail_after=2), SAMPLE, **kwargs)
+        search.tune(trained, lambda m: counting(m, fail_after=2), _sample(), **kwargs)
     cached = json.loads((tmp_path / "measurements.json").read_text())
     assert len(cached) >= 3  # latencies and the finished accuracy measurement survived
     calls.clear()
-    resumed = search.tune(trained, counting, SAMPLE, **kwargs)
+    resumed = search.tune(trained, counting, _sample(), **kwargs)
     first_evaluations = len(calls)
     calls.clear()
-    again = search.tune(trained, counting, SAMPLE, **kwargs)
+    again = search.tune(trained, counting, _sample(), **kwargs)
     assert len(calls) == 1  # only the float32 baseline: everything else came from the cache
     assert again.policy_map == resumed.policy_map
     np.testing.assert_array_equal(again.profile["latency_s"], resumed.profile["latency_s"])
@@ -163,7 +167,7 @@ def test_an_interrupted_run_resumes_without_repeating_work(trained, tmp_path):
     ],
 )
 def test_bad_input_fails_before_any_long_work(trained, kwargs, error, text):
-    args = {"model": trained, "eval_fn": val_accuracy, "sample_input": SAMPLE, "progress": False, **kwargs}
+    args = {"model": trained, "eval_fn": val_accuracy, "sample_input": _sample(), "progress": False, **kwargs}
     with pytest.raises(error) as info:
         search.tune(**args)
     assert text in str(info.value)
@@ -176,7 +180,7 @@ def test_models_the_search_cannot_tune(trained):
     with pytest.raises(ValueError, match="built"):
         search.tune(nn.Dense(2), lambda m: 1.0, jnp.ones((2, 3)), progress=False)
     with pytest.raises(ValueError, match="already quantized"):
-        search.tune(trained.quantize("int8"), val_accuracy, SAMPLE, progress=False)
+        search.tune(trained.quantize("int8"), val_accuracy, _sample(), progress=False)
 
 
 def _int8_ten_times_faster(monkeypatch):
@@ -209,7 +213,7 @@ def _int8_layers(model):
 def test_auto_profile_skips_sensitivity_when_the_fastest_assignment_meets_the_budget(trained, monkeypatch):
     _int8_ten_times_faster(monkeypatch)
     calls = []
-    result = search.tune(trained, lambda m: calls.append(1) or 1.0 - 0.01 * _int8_layers(m), SAMPLE,
+    result = search.tune(trained, lambda m: calls.append(1) or 1.0 - 0.01 * _int8_layers(m), _sample(),
                          candidates=["float32", "int8_from_float32"], max_drop=0.05, relative=False,
                          repeats=3, progress=False)
     s = result.summary
@@ -229,7 +233,7 @@ def test_auto_profile_skips_sensitivity_when_the_fastest_assignment_meets_the_bu
 
 def test_measure_profile_measures_sensitivity_when_the_fastest_assignment_breaks_the_budget(trained, monkeypatch):
     _int8_ten_times_faster(monkeypatch)
-    result = search.tune(trained, lambda m: 1.0 - 0.1 * _int8_layers(m), SAMPLE,
+    result = search.tune(trained, lambda m: 1.0 - 0.1 * _int8_layers(m), _sample(),
                          candidates=["float32", "int8_from_float32"], max_drop=0.15, relative=False,
                          repeats=3, progress=False, profile_accuracy="measure")
     s = result.summary
@@ -248,7 +252,7 @@ def test_auto_profile_estimates_costs_from_layer_output_errors_when_the_fastest_
         trained, monkeypatch):
     _int8_ten_times_faster(monkeypatch)
     calls = []
-    result = search.tune(trained, lambda m: calls.append(1) or 1.0 - 0.1 * _int8_layers(m), SAMPLE,
+    result = search.tune(trained, lambda m: calls.append(1) or 1.0 - 0.1 * _int8_layers(m), _sample(),
                          candidates=["float32", "int8_from_float32"], max_drop=0.15, relative=False,
                          repeats=3, progress=False)
     s = result.summary
@@ -270,4 +274,4 @@ def test_auto_profile_estimates_costs_from_layer_output_errors_when_the_fastest_
 
 def test_profile_accuracy_must_be_one_of_the_modes(trained):
     with pytest.raises(ValueError, match=r"\['auto', 'first_order', 'measure', 'always'\].*profile_accuracy='sometimes'"):
-        search.tune(trained, val_accuracy, SAMPLE, profile_accuracy="sometimes", progress=False)
+        search.tune(trained, val_accuracy, _sample(), profile_accuracy="sometimes", progress=False)
