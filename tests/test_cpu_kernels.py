@@ -251,9 +251,10 @@ def _int8_kernel(k, n, seed, adversarial):
     return q.astype(np.int8), rng.uniform(1e-3, 0.1, (1, n)).astype(np.float32)
 
 
-# The XLA references the fused calls equal bit for bit, compiled at XLA's default optimisation
-# level: the test run compiles at level 0 (conftest), where LLVM forms no fused multiply-adds and the
-# float epilogue rounds differently (by one unit in the last place).
+# The XLA references the fused calls equal bit for bit, compiled as users' programs are: at XLA's
+# default optimisation level (the test run compiles at level 0, conftest, where LLVM forms no fused
+# multiply-adds and the float epilogue rounds differently, by one unit in the last place), and
+# with the MLIR fusion emitters where conftest turned them off.
 _AS_USERS_COMPILE = {"xla_backend_optimization_level": 3}
 if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", ""):  # the tests' fast compiles
     _AS_USERS_COMPILE["xla_cpu_use_fusion_emitters"] = True

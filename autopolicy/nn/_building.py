@@ -47,8 +47,9 @@ class Building:
         # The pass that discovers shapes runs traced, with zero placeholders for new weights;
         # the weights are drawn afterwards. Traced only, not compiled, when every leaf it
         # returns is a placeholder or one of the model's own arrays passed through (the usual
-        # case). A 4-layer MLP built for a new input shape: 104-110 ms -> 9-10 ms (its build pass
-        # and each weight's cast had compiled; experiments/bench_build.py).
+        # case). A 4-layer MLP built for a new input shape: 104-110 ms -> 9-10 ms on a 2-core Xeon
+        # with AVX-512 (its build pass and each weight's cast had compiled;
+        # experiments/bench_build.py).
         def build_pass(own, arrays):
             inputs = list(input_leaves)
             for i, value in zip(traced, arrays):
