@@ -119,11 +119,12 @@ def test_int4_products_match_the_exact_sum(path, rows, k, n, block, path_restore
     np.testing.assert_allclose(got, expected, rtol=0, atol=4e-7 * groups * np.abs(expected).max() + 1e-6)
 
 
-# The GEMM (M >= gemm_min_rows on paths that have one): (rows, K, N) at the edges of its 4 x 24
-# register tile, its K chunks (up to 256 rows, fewer for wide column blocks) and its tasks: M, N
-# and K not multiples of the tile, odd K, one row, one column, several chunks and tasks.
+# The GEMMs (M >= gemm_min_rows on paths that have one): (rows, K, N) at the edges of their
+# register tiles (AVX2 4 x 24, AVX512-VNNI 8 x 48), their K chunks (up to 256 and 512 rows, fewer
+# for wide column blocks) and their tasks: M, N and K not multiples of the tile, odd K, one row,
+# one column, whole tiles over several chunks, several tasks.
 GEMM_SHAPES = [(1, 64, 24), (4, 48, 24), (5, 577, 45), (7, 33, 17), (9, 513, 300), (13, 1000, 401), (33, 3, 1),
-               (17, 600, 770), (66, 130, 2050)]
+               (17, 600, 770), (66, 130, 2050), (16, 1030, 96)]
 
 
 @pytest.fixture

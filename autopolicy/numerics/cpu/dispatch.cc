@@ -11,12 +11,12 @@ namespace {
 
 const Path kPortable{"portable", int8_portable, int4_portable, nullptr, nullptr, weight_only_portable};
 #if defined(__x86_64__)
-const Path kAvx2{"avx2", int8_avx2, int4_avx2, int8_gemm_avx2, int4_gemm_avx2, weight_only_avx2};
-// The streaming kernels on vpdpbusd serve every M: measured on a 2-core Xeon with AVX512-VNNI
-// (2026-11-25), they beat the AVX2 GEMM at every M from 8 to 128, int8 and int4/32, at 576 x 1536
-// (1.44-2.52x float32 against 0.62-1.02x) and 4096 x 4096 (1.38-6.09x against 1.01-3.24x). From
-// about 64 rows XLA's own int8 dot (oneDNN, u8s8) is faster still: the layer tactics pick it there.
-const Path kAvx512Vnni{"avx512_vnni", int8_vnni, int4_vnni, nullptr, nullptr, weight_only_avx512};
+const Path kAvx2{"avx2", int8_avx2, int4_avx2, int8_gemm_avx2, int4_gemm_avx2, weight_only_avx2, &kPairsX};
+// The streaming kernels on vpdpbusd serve M < gemm_min_rows() (16), the GEMM on vpdpbusd
+// (gemm_vnni.cc) from there: on a 2-core Xeon with AVX512-VNNI (2026-11-26, kernel alone) the GEMM
+// was 0.97-1.05x the stream at 8-12 rows, 1.1-1.2x at 16, 1.5x at 32 and 1.6-2.3x at 256 on
+// 4096 x 4096 and 576 x 1536. int4 streams at every M (its GEMM is AVX2's only).
+const Path kAvx512Vnni{"avx512_vnni", int8_vnni, int4_vnni, int8_gemm_vnni, nullptr, weight_only_avx512, &kQuadsX};
 #endif
 
 bool cpu_has(const char* name) {

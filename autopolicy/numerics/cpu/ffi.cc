@@ -86,18 +86,18 @@ void parallel_columns(const Runner& run_on, int64_t n, int64_t min_chunk, Body b
 // panels), at least two per thread where the shape allows (the machine is shared: a thread that
 // runs late then delays the call by less than its whole share). body(r0, r1, n0, n1).
 template <typename Body>
-void parallel_tiles(const Runner& run_on, int64_t m, int64_t n, Body body) {
+void parallel_tiles(const Runner& run_on, int64_t m, int64_t n, int64_t tile_rows, int64_t strip, Body body) {
   if (m <= 0 || n <= 0) return;
   const int64_t want = 2 * run_on.threads();
-  int64_t strips = (n + kGemmStrip - 1) / kGemmStrip;
+  int64_t strips = (n + strip - 1) / strip;
   int64_t col_tasks = (n + kGemmCols - 1) / kGemmCols;
   if (col_tasks < want) col_tasks = std::min(strips, want);
-  const int64_t col_step = (strips + col_tasks - 1) / col_tasks * kGemmStrip;
+  const int64_t col_step = (strips + col_tasks - 1) / col_tasks * strip;
   col_tasks = (n + col_step - 1) / col_step;
-  const int64_t panels = (m + kGemmRows - 1) / kGemmRows;
+  const int64_t panels = (m + tile_rows - 1) / tile_rows, most = std::max<int64_t>(1, 192 / tile_rows);
   int64_t row_tasks = std::min(panels, std::max<int64_t>(1, (want + col_tasks - 1) / col_tasks));
-  row_tasks = std::max(row_tasks, (panels + 47) / 48);  // at most 192 rows a task: x's chunk stays in L2
-  const int64_t row_step = (panels + row_tasks - 1) / row_tasks * kGemmRows;
+  row_tasks = std::max(row_tasks, (panels + most - 1) / most);  // at most 192 rows a task: x's chunk stays in L2
+  const int64_t row_step = (panels + row_tasks - 1) / row_tasks * tile_rows;
   row_tasks = (m + row_step - 1) / row_step;
   parallel_tasks(run_on, row_tasks * col_tasks, [=](int64_t t) {
     const int64_t r = t / col_tasks, c = t % col_tasks;
@@ -113,11 +113,12 @@ void int8_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
   const Path& path = current_path();
   const Runner run_on = runner_for(pool, m * k * n);
   if (path.int8_gemm != nullptr && m >= gemm_min_rows(false) && k > 0) {
-    std::vector<int32_t> xq(static_cast<size_t>((m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2)));
-    pack_x_pairs(xp, m, k, xq.data());
+    const GemmX& layout = *path.int8_x;
+    std::vector<int32_t> xq(static_cast<size_t>(layout.words(m, k)));
+    layout.pack(xp, m, k, xq.data());
     const int32_t* a = xq.data();
     Int8GemmFn gemm = path.int8_gemm;
-    parallel_tiles(run_on, m, n, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
+    parallel_tiles(run_on, m, n, layout.rows, layout.strip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, r0, r1, n0, n1, out);
     });
     return;
@@ -170,11 +171,11 @@ void int4_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
   const Runner run_on = runner_for(pool, m * ((k + 1) / 2) * n);
   Int4Fn fn = pairs_ok ? path.int4 : int4_portable;
   if (pairs_ok && path.int4_gemm != nullptr && m >= gemm_min_rows(true)) {
-    std::vector<int32_t> xq(static_cast<size_t>((m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2)));
+    std::vector<int32_t> xq(static_cast<size_t>(kPairsX.words(m, k)));  // the AVX2 GEMM's (the only int4 one)
     pack_x_pairs(xp, m, k, xq.data());
     const int32_t* a = xq.data();
     Int4GemmFn gemm = path.int4_gemm;
-    parallel_tiles(run_on, m, n, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
+    parallel_tiles(run_on, m, n, kGemmRows, kGemmStrip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, block, sp, r0, r1, n0, n1, yp);
     });
     return;

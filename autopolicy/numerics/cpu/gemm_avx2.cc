@@ -49,6 +49,12 @@ void pack_x_pairs(const int8_t* x, int64_t m, int64_t k, int32_t* a) {
   }
 }
 
+namespace {
+int64_t pairs_words(int64_t m, int64_t k) { return (m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2); }
+}  // namespace
+
+const GemmX kPairsX{kGemmRows, kGemmStrip, pairs_words, pack_x_pairs};
+
 }  // namespace autopolicy_cpu
 
 #if defined(__x86_64__)

@@ -40,6 +40,21 @@ using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8
 // kGemmPanelBytes (fewer rows for wider tasks).
 constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 256, kGemmCols = 1024;
 constexpr int64_t kGemmPanelBytes = 192 * 1024;
+// The AVX512-VNNI int8 GEMM's (gemm_vnni.cc): an 8 x 48 register tile; K chunks of at most
+// kVnniGemmDepth rows (a multiple of 4), packed into about kVnniPanelBytes.
+constexpr int64_t kVnniGemmRows = 8, kVnniGemmStrip = 48, kVnniGemmDepth = 512;
+constexpr int64_t kVnniPanelBytes = 192 * 1024;
+
+// How a path's int8 GEMM takes x: packed once per call, before the work is split, into panels of
+// `rows` rows (`words(m, k)` int32 words); its tasks are blocks of whole panels times blocks of
+// columns, best a multiple of `strip` wide.
+struct GemmX {
+  int64_t rows, strip;
+  int64_t (*words)(int64_t m, int64_t k);
+  void (*pack)(const int8_t* x, int64_t m, int64_t k, int32_t* a);
+};
+extern const GemmX kPairsX;  // the AVX2 GEMM's (pack_x_pairs)
+extern const GemmX kQuadsX;  // the AVX512-VNNI GEMM's: [panel][quad][row] words, then each row's sum
 
 struct Path {
   const char* name;
@@ -48,6 +63,7 @@ struct Path {
   Int8GemmFn int8_gemm;  // null: the path has none (its int8/int4 kernels serve every M)
   Int4GemmFn int4_gemm;
   WeightOnlyFn weight_only;  // the GPTQ/AWQ product (weight_only.h) this path's CPUs run
+  const GemmX* int8_x;       // how int8_gemm takes x (null where int8_gemm is)
 };
 
 // x (m, k) as kGemmRows-row panels of K pairs, each pair (x[2p], x[2p + 1]) one int32 word of two
@@ -58,13 +74,15 @@ void int8_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, in
                     int64_t n0, int64_t n1, int32_t* acc);
 void int4_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                     const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
+void int8_gemm_vnni(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
+                    int64_t n0, int64_t n1, int32_t* acc);
 
 // The fewest rows of x for which the FFI calls the GEMM (where the path has one), for the int8
 // (int4 = false) or int4 product; below, the streaming kernels. Measured on AVX2 (Zen 3; see
 // reports/cpu-kernels-amd-epyc-avx2-2c.md): int8 from 16 rows (the streaming kernel wins below
 // 12-16 rows at 4096 x 4096, up to 16-32 at 576 x 1536); int4 never: its streaming kernel
 // (vpmaddubsw, 32 products per multiply) beats this vpmaddwd GEMM (16) at every M measured, up
-// to 256. set_gemm_min_rows sets both (tests, benchmarks; < 1 restores these defaults), as
+// to 256. The AVX512-VNNI int8 GEMM takes the same 16 (dispatch.cc). set_gemm_min_rows sets both (tests, benchmarks; < 1 restores these defaults), as
 // AUTOPOLICY_CPU_GEMM_MIN_ROWS does at load.
 int64_t gemm_min_rows(bool int4);
 void set_gemm_min_rows(int64_t rows);
