@@ -9,14 +9,22 @@
 namespace autopolicy_cpu {
 namespace {
 
-const Path kPortable{"portable", int8_portable, int4_portable, nullptr, nullptr, weight_only_portable};
+constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+// GEMM thresholds (the fewest rows of x a GEMM takes; below, the streaming kernels), measured:
+// AVX2 on Zen 3 (kernels.h): int8 from 16 rows, int4 never (its vpmaddubsw stream beats the
+// vpmaddwd GEMM at every M). AVX512-VNNI on a 2-core Xeon (2026-11-26, kernel alone): the int8
+// GEMM was 0.97-1.05x the stream at 8-12 rows, 1.1-1.2x at 16, 1.5x at 32 and 1.6-2.3x at 256
+// on 4096 x 4096 and 576 x 1536; int4: see kInt4VnniGemmRows.
+constexpr int64_t kInt8GemmRows = 16, kInt4VnniGemmRows = 16;
+
+const Path kPortable{"portable", int8_portable, int4_portable, nullptr, nullptr, weight_only_portable,
+                     nullptr, nullptr, kNever, kNever};
 #if defined(__x86_64__)
-const Path kAvx2{"avx2", int8_avx2, int4_avx2, int8_gemm_avx2, int4_gemm_avx2, weight_only_avx2, &kPairsX};
-// The streaming kernels on vpdpbusd serve M < gemm_min_rows() (16), the GEMM on vpdpbusd
-// (gemm_vnni.cc) from there: on a 2-core Xeon with AVX512-VNNI (2026-11-26, kernel alone) the GEMM
-// was 0.97-1.05x the stream at 8-12 rows, 1.1-1.2x at 16, 1.5x at 32 and 1.6-2.3x at 256 on
-// 4096 x 4096 and 576 x 1536. int4 streams at every M (its GEMM is AVX2's only).
-const Path kAvx512Vnni{"avx512_vnni", int8_vnni, int4_vnni, int8_gemm_vnni, nullptr, weight_only_avx512, &kQuadsX};
+const Path kAvx2{"avx2", int8_avx2, int4_avx2, int8_gemm_avx2, int4_gemm_avx2, weight_only_avx2,
+                 &kPairsX, &kPairsX, kInt8GemmRows, kNever};
+const Path kAvx512Vnni{"avx512_vnni", int8_vnni, int4_vnni, int8_gemm_vnni, int4_gemm_vnni, weight_only_avx512,
+                       &kQuadsX, &kQuadsX, kInt8GemmRows, kInt4VnniGemmRows};
 #endif
 
 bool cpu_has(const char* name) {
@@ -57,11 +65,7 @@ const Path* best() {
 
 const Path* g_path = nullptr;
 
-constexpr int64_t kInt8GemmMinRows = 16;
-constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
-constexpr int64_t kInt4GemmMinRows = kNever;
-int64_t g_gemm_min_rows[2] = {-1, -1};  // int8, int4; -1: not read yet
-
+int64_t g_gemm_min_rows = -1;  // -1: not read yet; 0: the path's own thresholds
 // Measured on two machines with different answers. experiments/bench_cpu_serial.py (a chain of
 // calls on their own copies of the weights, as a decoder runs them) on the shared 2-core AVX2
 // EPYC at loads 5 and 10 (never quiet) found serial faster for every SmolLM2 block layer, up to
@@ -87,17 +91,15 @@ bool set_path(const char* name) {
 }
 
 int64_t gemm_min_rows(bool int4) {
-  if (g_gemm_min_rows[0] < 0) {
+  if (g_gemm_min_rows < 0) {
     const char* forced = std::getenv("AUTOPOLICY_CPU_GEMM_MIN_ROWS");
     set_gemm_min_rows(forced != nullptr && *forced != '\0' ? std::atoll(forced) : 0);
   }
-  return g_gemm_min_rows[int4 ? 1 : 0];
+  if (g_gemm_min_rows > 0) return g_gemm_min_rows;
+  return int4 ? current_path().int4_gemm_rows : current_path().int8_gemm_rows;
 }
 
-void set_gemm_min_rows(int64_t rows) {
-  g_gemm_min_rows[0] = rows < 1 ? kInt8GemmMinRows : rows;
-  g_gemm_min_rows[1] = rows < 1 ? kInt4GemmMinRows : rows;
-}
+void set_gemm_min_rows(int64_t rows) { g_gemm_min_rows = rows < 1 ? 0 : rows; }
 
 int64_t serial_max_bytes() {
   if (g_serial_max_bytes == -2) {

@@ -114,8 +114,8 @@ void int8_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
   const Runner run_on = runner_for(pool, m * k * n);
   if (path.int8_gemm != nullptr && m >= gemm_min_rows(false) && k > 0) {
     const GemmX& layout = *path.int8_x;
-    std::vector<int32_t> xq(static_cast<size_t>(layout.words(m, k)));
-    layout.pack(xp, m, k, xq.data());
+    std::vector<int32_t> xq(static_cast<size_t>(layout.words(m, k, k)));
+    layout.pack(xp, m, k, k, xq.data());
     const int32_t* a = xq.data();
     Int8GemmFn gemm = path.int8_gemm;
     parallel_tiles(run_on, m, n, layout.rows, layout.strip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
@@ -170,12 +170,14 @@ void int4_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
   const Path& path = current_path();
   const Runner run_on = runner_for(pool, m * ((k + 1) / 2) * n);
   Int4Fn fn = pairs_ok ? path.int4 : int4_portable;
-  if (pairs_ok && path.int4_gemm != nullptr && m >= gemm_min_rows(true)) {
-    std::vector<int32_t> xq(static_cast<size_t>(kPairsX.words(m, k)));  // the AVX2 GEMM's (the only int4 one)
-    pack_x_pairs(xp, m, k, xq.data());
+  // The GEMM takes K rows k_group at a time (AVX2 pairs, VNNI quads): none may straddle a block.
+  if (path.int4_gemm != nullptr && (groups == 1 || block % path.int4_x->k_group == 0) && m >= gemm_min_rows(true)) {
+    const GemmX& layout = *path.int4_x;
+    std::vector<int32_t> xq(static_cast<size_t>(layout.words(m, k, block)));
+    layout.pack(xp, m, k, block, xq.data());
     const int32_t* a = xq.data();
     Int4GemmFn gemm = path.int4_gemm;
-    parallel_tiles(run_on, m, n, kGemmRows, kGemmStrip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
+    parallel_tiles(run_on, m, n, layout.rows, layout.strip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, block, sp, r0, r1, n0, n1, yp);
     });
     return;

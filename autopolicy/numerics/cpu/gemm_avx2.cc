@@ -50,10 +50,11 @@ void pack_x_pairs(const int8_t* x, int64_t m, int64_t k, int32_t* a) {
 }
 
 namespace {
-int64_t pairs_words(int64_t m, int64_t k) { return (m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2); }
+int64_t pairs_words(int64_t m, int64_t k, int64_t) { return (m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2); }
+void pack_pairs(const int8_t* x, int64_t m, int64_t k, int64_t, int32_t* a) { pack_x_pairs(x, m, k, a); }
 }  // namespace
 
-const GemmX kPairsX{kGemmRows, kGemmStrip, pairs_words, pack_x_pairs};
+const GemmX kPairsX{kGemmRows, kGemmStrip, 2, pairs_words, pack_pairs};
 
 }  // namespace autopolicy_cpu
 

@@ -45,16 +45,22 @@ constexpr int64_t kGemmPanelBytes = 192 * 1024;
 constexpr int64_t kVnniGemmRows = 8, kVnniGemmStrip = 48, kVnniGemmDepth = 512;
 constexpr int64_t kVnniPanelBytes = 192 * 1024;
 
-// How a path's int8 GEMM takes x: packed once per call, before the work is split, into panels of
-// `rows` rows (`words(m, k)` int32 words); its tasks are blocks of whole panels times blocks of
-// columns, best a multiple of `strip` wide.
+// How a path's GEMMs take x: packed once per call, before the work is split, into panels of
+// `rows` rows (`words(m, k, block)` int32 words); their tasks are blocks of whole panels times
+// blocks of columns, best a multiple of `strip` wide. K rows go `k_group` at a time (an int4
+// block must be a multiple of it, or all of K).
 struct GemmX {
-  int64_t rows, strip;
-  int64_t (*words)(int64_t m, int64_t k);
-  void (*pack)(const int8_t* x, int64_t m, int64_t k, int32_t* a);
+  int64_t rows, strip, k_group;
+  int64_t (*words)(int64_t m, int64_t k, int64_t block);
+  void (*pack)(const int8_t* x, int64_t m, int64_t k, int64_t block, int32_t* a);
 };
-extern const GemmX kPairsX;  // the AVX2 GEMM's (pack_x_pairs)
-extern const GemmX kQuadsX;  // the AVX512-VNNI GEMM's: [panel][quad][row] words, then each row's sum
+extern const GemmX kPairsX;  // the AVX2 GEMMs' (pack_x_pairs)
+// The AVX512-VNNI GEMMs': [panel][quad][row] words (x_quads(m, k) of them), then the sums of each
+// row over each block of K rows, [block][panel * rows + row].
+extern const GemmX kQuadsX;
+inline int64_t x_quads(int64_t m, int64_t k) {
+  return (m + kVnniGemmRows - 1) / kVnniGemmRows * kVnniGemmRows * ((k + 3) / 4);
+}
 
 struct Path {
   const char* name;
@@ -63,7 +69,9 @@ struct Path {
   Int8GemmFn int8_gemm;  // null: the path has none (its int8/int4 kernels serve every M)
   Int4GemmFn int4_gemm;
   WeightOnlyFn weight_only;  // the GPTQ/AWQ product (weight_only.h) this path's CPUs run
-  const GemmX* int8_x;       // how int8_gemm takes x (null where int8_gemm is)
+  const GemmX* int8_x;       // how int8_gemm and int4_gemm take x (null where they are)
+  const GemmX* int4_x;
+  int64_t int8_gemm_rows, int4_gemm_rows;  // the fewest rows of x each GEMM takes (gemm_min_rows)
 };
 
 // x (m, k) as kGemmRows-row panels of K pairs, each pair (x[2p], x[2p + 1]) one int32 word of two
@@ -76,6 +84,8 @@ void int4_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, i
                     const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
 void int8_gemm_vnni(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
                     int64_t n0, int64_t n1, int32_t* acc);
+void int4_gemm_vnni(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+                    const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
 
 // The fewest rows of x for which the FFI calls the GEMM (where the path has one), for the int8
 // (int4 = false) or int4 product; below, the streaming kernels. Measured on AVX2 (Zen 3; see
