@@ -2,8 +2,8 @@
 against the package's int8 and packed int4 weights, where XLA's own are slower than float32.
 
 The C++ (``autopolicy/numerics/cpu/``) is built by ``pip install -e .`` into one shared library
-beside it; its instruction-set path (AVX2, or the portable reference) is chosen when it loads,
-from the CPU's features, never at build time. :func:`int8_matmul` and :func:`int4_matmul` take
+beside it; its instruction-set path (:data:`PATHS`: AVX512-VNNI, AVX-VNNI, AVX2, or the portable
+reference) is chosen when it loads, from the CPU's features, never at build time. :func:`int8_matmul` and :func:`int4_matmul` take
 int8 inputs quantized by the caller; :func:`int8_dense` and :func:`int4_dense` (what the layers
 call) take the float input and do the whole layer in one call: the per-row quantization, the
 integer product, the rescale and an optional bias, each in the same float32 operations as the
@@ -42,7 +42,7 @@ __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "pa
 #: Set to 1 to leave the kernels out (as on a machine without a compiler).
 DISABLE_ENV = "AUTOPOLICY_DISABLE_CPU_KERNELS"
 #: The instruction-set paths, best first.
-PATHS = ("avx512_vnni", "avx2", "portable")
+PATHS = ("avx512_vnni", "avx_vnni", "avx2", "portable")
 _INT8_TARGET, _INT4_TARGET = "autopolicy_int8_matmul", "autopolicy_int4_matmul"
 _INT8_DENSE, _INT4_DENSE = "autopolicy_int8_dense", "autopolicy_int4_dense"
 _DECODE_ATTENTION = "autopolicy_decode_attention"
@@ -110,7 +110,7 @@ def _lib() -> ctypes.CDLL:
 
 
 def path() -> str:
-    """The instruction-set path the kernels run (``"avx512_vnni"``, ``"avx2"`` or ``"portable"``)."""
+    """The instruction-set path the kernels run (one of :data:`PATHS`)."""
     return _lib().autopolicy_cpu_path().decode()
 
 

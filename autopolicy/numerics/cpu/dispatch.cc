@@ -15,8 +15,13 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 // AVX2 on Zen 3 (kernels.h): int8 from 16 rows, int4 never (its vpmaddubsw stream beats the
 // vpmaddwd GEMM at every M). AVX512-VNNI on a 2-core Xeon (2026-11-26, kernel alone): the int8
 // GEMM was 0.97-1.05x the stream at 8-12 rows, 1.1-1.2x at 16, 1.5x at 32 and 1.6-2.3x at 256
-// on 4096 x 4096 and 576 x 1536; int4: see kInt4VnniGemmRows.
+// on 4096 x 4096 and 576 x 1536; int4's GEMM 1.02-1.29x its stream at 16 rows, 1.3-2.2x at 256
+// (per channel and in blocks of 32), below 16 slower. AVX-VNNI (the same Xeon, that path forced;
+// 4096 x 4096, 576 x 1536 and 1536 x 576): int8's GEMM 1.0-1.4x the AVX2 stream already at 8
+// rows (1.1-1.9x the AVX2 GEMM at 8-256); int4's 0.8-0.9x the AVX2 stream at 8 rows, 1.0-1.2x
+// at 16, 1.2-1.5x from 32.
 constexpr int64_t kInt8GemmRows = 16, kInt4VnniGemmRows = 16;
+constexpr int64_t kInt8AvxVnniGemmRows = 8, kInt4AvxVnniGemmRows = 16;
 
 const Path kPortable{"portable", int8_portable, int4_portable, nullptr, nullptr, weight_only_portable,
                      nullptr, nullptr, kNever, kNever};
@@ -24,7 +29,11 @@ const Path kPortable{"portable", int8_portable, int4_portable, nullptr, nullptr,
 const Path kAvx2{"avx2", int8_avx2, int4_avx2, int8_gemm_avx2, int4_gemm_avx2, weight_only_avx2,
                  &kPairsX, &kPairsX, kInt8GemmRows, kNever};
 const Path kAvx512Vnni{"avx512_vnni", int8_vnni, int4_vnni, int8_gemm_vnni, int4_gemm_vnni, weight_only_avx512,
-                       &kQuadsX, &kQuadsX, kInt8GemmRows, kInt4VnniGemmRows};
+                       &kQuadsZmmX, &kQuadsZmmX, kInt8GemmRows, kInt4VnniGemmRows};
+// AVX2's streaming kernels with GEMMs on the VEX-encoded vpdpbusd (YMM, gemm_avxvnni.cc), for
+// CPUs with AVX-VNNI but no AVX-512 (Intel client cores from Alder Lake).
+const Path kAvxVnni{"avx_vnni", int8_avx2, int4_avx2, int8_gemm_avxvnni, int4_gemm_avxvnni, weight_only_avx2,
+                    &kQuadsYmmX, &kQuadsYmmX, kInt8AvxVnniGemmRows, kInt4AvxVnniGemmRows};
 #endif
 
 bool cpu_has(const char* name) {
@@ -34,6 +43,7 @@ bool cpu_has(const char* name) {
   if (std::strcmp(name, "portable") == 0) return true;
 #if defined(__x86_64__)
   if (std::strcmp(name, "avx2") == 0) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (std::strcmp(name, "avx_vnni") == 0) return cpu_has("avx2") && __builtin_cpu_supports("avxvnni");
   if (std::strcmp(name, "avx512_vnni") == 0)
     return cpu_has("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vnni");
@@ -45,6 +55,7 @@ const Path* by_name(const char* name) {
   if (std::strcmp(name, "portable") == 0) return &kPortable;
 #if defined(__x86_64__)
   if (std::strcmp(name, "avx2") == 0) return &kAvx2;
+  if (std::strcmp(name, "avx_vnni") == 0) return &kAvxVnni;
   if (std::strcmp(name, "avx512_vnni") == 0) return &kAvx512Vnni;
 #endif
   return nullptr;
@@ -56,7 +67,7 @@ const Path* best() {
     const Path* path = by_name(forced);
     if (path != nullptr && cpu_has(forced)) return path;
   }
-  for (const char* name : {"avx512_vnni", "avx2"}) {
+  for (const char* name : {"avx512_vnni", "avx_vnni", "avx2"}) {
     const Path* path = by_name(name);
     if (path != nullptr && cpu_has(name)) return path;
   }

@@ -40,10 +40,11 @@ using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8
 // kGemmPanelBytes (fewer rows for wider tasks).
 constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 256, kGemmCols = 1024;
 constexpr int64_t kGemmPanelBytes = 192 * 1024;
-// The AVX512-VNNI int8 GEMM's (gemm_vnni.cc): an 8 x 48 register tile; K chunks of at most
-// kVnniGemmDepth rows (a multiple of 4), packed into about kVnniPanelBytes.
-constexpr int64_t kVnniGemmRows = 8, kVnniGemmStrip = 48, kVnniGemmDepth = 512;
-constexpr int64_t kVnniPanelBytes = 192 * 1024;
+// The GEMMs on vpdpbusd (gemm_quads.h): K chunks of at most kVnniGemmDepth rows (a multiple of
+// 4), packed into about kVnniPanelBytes; register tiles of 8 x 48 int32 sums (AVX512-VNNI, ZMM)
+// and 4 x 24 (AVX-VNNI, YMM).
+constexpr int64_t kVnniGemmDepth = 512, kVnniPanelBytes = 192 * 1024;
+constexpr int64_t kVnniGemmRows = 8, kVnniGemmStrip = 48, kAvxVnniGemmRows = 4, kAvxVnniGemmStrip = 24;
 
 // How a path's GEMMs take x: packed once per call, before the work is split, into panels of
 // `rows` rows (`words(m, k, block)` int32 words); their tasks are blocks of whole panels times
@@ -55,12 +56,10 @@ struct GemmX {
   void (*pack)(const int8_t* x, int64_t m, int64_t k, int64_t block, int32_t* a);
 };
 extern const GemmX kPairsX;  // the AVX2 GEMMs' (pack_x_pairs)
-// The AVX512-VNNI GEMMs': [panel][quad][row] words (x_quads(m, k) of them), then the sums of each
-// row over each block of K rows, [block][panel * rows + row].
-extern const GemmX kQuadsX;
-inline int64_t x_quads(int64_t m, int64_t k) {
-  return (m + kVnniGemmRows - 1) / kVnniGemmRows * kVnniGemmRows * ((k + 3) / 4);
-}
+// The vpdpbusd GEMMs' (AVX512-VNNI, AVX-VNNI): [panel][quad][row] words (x_quads(m, k, rows) of
+// them), then the sums of each row over each block of K rows, [block][panel * rows + row].
+extern const GemmX kQuadsZmmX, kQuadsYmmX;
+inline int64_t x_quads(int64_t m, int64_t k, int64_t rows) { return (m + rows - 1) / rows * rows * ((k + 3) / 4); }
 
 struct Path {
   const char* name;
@@ -86,6 +85,10 @@ void int8_gemm_vnni(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, in
                     int64_t n0, int64_t n1, int32_t* acc);
 void int4_gemm_vnni(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                     const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
+void int8_gemm_avxvnni(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0,
+                       int64_t r1, int64_t n0, int64_t n1, int32_t* acc);
+void int4_gemm_avxvnni(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+                       const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
 
 // The fewest rows of x for which the FFI calls the GEMM (where the path has one), for the int8
 // (int4 = false) or int4 product; below, the streaming kernels. Measured on AVX2 (Zen 3; see

@@ -1,0 +1,271 @@
+// The int8 and int4 GEMMs on vpdpbusd, whatever its vector width: included by gemm_vnni.cc
+// (AVX512-VNNI, ZMM) and gemm_avxvnni.cc (AVX-VNNI, YMM) after their target pragmas, each with
+// its own register tile. Everything here has internal linkage, so each file's copy is compiled
+// for its own instruction set (nothing may be shared between them at link time).
+//
+// vpdpbusd multiplies unsigned bytes by signed bytes and adds each four products into a 32-bit
+// lane: the AVX2 GEMM's blocking (gemm_avx2.cc) around it, where vpmaddwd and vpaddd make 16
+// products per pair of instructions.
+//   - x is packed once per call (pack_x_quads, before the work is split) into panels of Tile::MR
+//     rows, each quad of K rows (x[4q] .. x[4q + 3]) one int32 word: [panel][quad][row], then
+//     each row's sum over each block of K rows (int8: one block, all of K);
+//   - each task (a block of rows times a block of columns) packs the weights of one K chunk at a
+//     time into strips of Tile::NR columns, each column's quad as four unsigned bytes (int8:
+//     w xor 0x80 = w + 128; int4: each nibble xor 8 = v + 8): [strip][quad][column]; the chunk
+//     (about kVnniPanelBytes) stays in L2 and the strip the micro-kernel walks in L1;
+//   - the micro-kernel (Tile::micro) holds an MR x NR tile of int32 sums in registers: per quad
+//     it loads a strip's NR columns, broadcasts MR x words (the signed operand: every int8
+//     activation, -128 included, is taken as it is) and runs one vpdpbusd per row and vector;
+//   - the offset adds 128 (int8) or 8 (int4) times the sum of x over the rows summed: each row's
+//     sums start at minus that instead of 0 (int32 arithmetic wraps, so the result is exact
+//     whenever the true sum fits in int32, as on every path). int8's later K chunks add to the
+//     output; int4 ends each block in the portable path's float operations in its order (out =
+//     term for the first block, out + term after, Tile::scale_tile: bit-identical), a block longer
+//     than a chunk keeping its int32 sums in a scratch between chunks. int4 blocks must be a
+//     multiple of 4 K rows (a quad never straddles two), or all of K; the FFI sends others to the
+//     streaming kernels.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace autopolicy_cpu {
+namespace {
+
+template <int64_t MR>
+int64_t quads_words(int64_t m, int64_t k, int64_t block) {
+  const int64_t groups = block >= k ? 1 : (k + block - 1) / block;
+  return x_quads(m, k, MR) + groups * ((m + MR - 1) / MR * MR);
+}
+
+template <int64_t MR>
+void pack_x_quads(const int8_t* x, int64_t m, int64_t k, int64_t block, int32_t* a) {
+  const int64_t quads = (k + 3) / 4, panels = (m + MR - 1) / MR, padded = panels * MR;
+  const int64_t groups = block >= k ? 1 : (k + block - 1) / block, span = groups == 1 ? k : block;
+  int32_t* sums = a + x_quads(m, k, MR);
+  for (int64_t panel = 0; panel < panels; ++panel) {
+    int32_t* dst = a + panel * quads * MR;
+    for (int64_t rr = 0; rr < MR; ++rr) {
+      const int64_t r = panel * MR + rr;
+      if (r >= m) {
+        for (int64_t q = 0; q < quads; ++q) dst[q * MR + rr] = 0;
+        for (int64_t g = 0; g < groups; ++g) sums[g * padded + r] = 0;
+        continue;
+      }
+      const int8_t* row = x + r * k;
+      for (int64_t q = 0; q < quads; ++q) dst[q * MR + rr] = quad_of(row, 4 * q, k);
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t total = 0;
+        for (int64_t i = g * span; i < std::min(k, (g + 1) * span); ++i) total += row[i];
+        sums[g * padded + r] = total;
+      }
+    }
+  }
+}
+
+// Eight columns' quads (32 bytes, column order) from the four K rows' bytes a .. d (the low 8
+// bytes of each), already offset to unsigned.
+inline void store_quads8(__m128i a, __m128i b, __m128i c, __m128i d, uint8_t* dst) {
+  const __m128i ab = _mm_unpacklo_epi8(a, b), cd = _mm_unpacklo_epi8(c, d);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_unpacklo_epi16(ab, cd));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_unpackhi_epi16(ab, cd));
+}
+
+inline __m128i load8(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+
+// The weights of K quads [q0, q1) and columns [c0, c1) as strips of NR columns ([strip][quad][NR]
+// quads of bytes, offset to unsigned; rows past K and columns past c1 are 0x80: x is zero past
+// K, and the columns past c1 are never stored).
+template <int64_t NR>
+void pack_w8(const int8_t* w, int64_t k, int64_t n, int64_t q0, int64_t q1, int64_t c0, int64_t c1, uint8_t* b) {
+  static_assert(NR % 8 == 0, "strips are whole groups of 8 columns");
+  const int64_t quads = q1 - q0, strips = (c1 - c0 + NR - 1) / NR;
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+  for (int64_t q = q0; q < q1; ++q) {
+    const int8_t* rows[4];
+    bool whole = true;
+    for (int j = 0; j < 4; ++j) {
+      rows[j] = 4 * q + j < k ? w + (4 * q + j) * n : nullptr;
+      whole = whole && rows[j] != nullptr;
+    }
+    for (int64_t s = 0; s < strips; ++s) {
+      uint8_t* dst = b + (s * quads + (q - q0)) * NR * 4;
+      for (int64_t g = 0; g < NR; g += 8) {
+        const int64_t c = c0 + s * NR + g;
+        if (whole && c + 8 <= c1) {
+          store_quads8(_mm_xor_si128(load8(rows[0] + c), flip), _mm_xor_si128(load8(rows[1] + c), flip),
+                       _mm_xor_si128(load8(rows[2] + c), flip), _mm_xor_si128(load8(rows[3] + c), flip), dst + 4 * g);
+        } else {
+          for (int64_t j = 0; j < 8; ++j)
+            for (int t = 0; t < 4; ++t) {
+              const int64_t col = c + j;
+              const int8_t v = col < c1 && rows[t] != nullptr ? rows[t][col] : 0;
+              dst[4 * (g + j) + t] = static_cast<uint8_t>(v) ^ 0x80u;
+            }
+        }
+      }
+    }
+  }
+}
+
+// int4: K quads [q0, q1) of the packed kernel (byte row p holds K rows 2p, low nibble, and
+// 2p + 1, high) laid out as pack_w8 lays out int8, each nibble offset to unsigned (v xor 8 =
+// v + 8, in [0, 15]); byte rows past the stored ones give 0 (x is zero there).
+template <int64_t NR>
+void pack_w4(const uint8_t* w, int64_t k, int64_t n, int64_t q0, int64_t q1, int64_t c0, int64_t c1, uint8_t* b) {
+  static_assert(NR % 8 == 0, "strips are whole groups of 8 columns");
+  const int64_t quads = q1 - q0, strips = (c1 - c0 + NR - 1) / NR, byte_rows = (k + 1) / 2;
+  const __m128i low = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(0x08);
+  for (int64_t q = q0; q < q1; ++q) {
+    const uint8_t* e = 2 * q < byte_rows ? w + 2 * q * n : nullptr;
+    const uint8_t* f = 2 * q + 1 < byte_rows ? w + (2 * q + 1) * n : nullptr;
+    for (int64_t s = 0; s < strips; ++s) {
+      uint8_t* dst = b + (s * quads + (q - q0)) * NR * 4;
+      for (int64_t g = 0; g < NR; g += 8) {
+        const int64_t c = c0 + s * NR + g;
+        if (e != nullptr && f != nullptr && c + 8 <= c1) {
+          const __m128i ev = load8(e + c), fv = load8(f + c);
+          store_quads8(_mm_xor_si128(_mm_and_si128(ev, low), eight),
+                       _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(ev, 4), low), eight),
+                       _mm_xor_si128(_mm_and_si128(fv, low), eight),
+                       _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(fv, 4), low), eight), dst + 4 * g);
+        } else {
+          for (int64_t j = 0; j < 8; ++j) {
+            const int64_t col = c + j;
+            const uint8_t ve = col < c1 && e != nullptr ? e[col] : 0x88, vf = col < c1 && f != nullptr ? f[col] : 0x88;
+            uint8_t* quad = dst + 4 * (g + j);
+            quad[0] = (ve & 0x0F) ^ 0x08;
+            quad[1] = (ve >> 4) ^ 0x08;
+            quad[2] = (vf & 0x0F) ^ 0x08;
+            quad[3] = (vf >> 4) ^ 0x08;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The K quads of one packed chunk for `width` columns: the chunk (quads x width x 4 bytes) near
+// kVnniPanelBytes, so it stays in L2.
+template <int64_t NR>
+int64_t chunk_quads(int64_t width) {
+  const int64_t padded = (width + NR - 1) / NR * NR;
+  return std::max<int64_t>(8, std::min<int64_t>(kVnniGemmDepth / 4, kVnniPanelBytes / 4 / padded));
+}
+
+// Each row's sums start at -offset * sum (wrapping int32 arithmetic).
+inline int32_t offset_start(uint32_t offset, int32_t sum) {
+  return static_cast<int32_t>(0u - offset * static_cast<uint32_t>(sum));
+}
+
+template <class Tile>
+void int8_gemm_quads(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
+                     int64_t n0, int64_t n1, int32_t* acc) {
+  constexpr int64_t MR = Tile::MR, NR = Tile::NR;
+  static thread_local std::vector<uint8_t> panel;
+  const int64_t quads = (k + 3) / 4, depth = chunk_quads<NR>(n1 - n0);
+  const int32_t* sums = a + x_quads(m, k, MR);
+  const size_t need = static_cast<size_t>(std::min(depth, quads) * ((n1 - n0 + NR - 1) / NR) * NR * 4);
+  if (panel.size() < need) panel.resize(need);
+  uint8_t* b = panel.data();
+  alignas(64) int32_t tile[MR * NR];
+  int32_t start[MR];
+  for (int64_t q0 = 0; q0 < quads; q0 += depth) {
+    const int64_t q1 = std::min(quads, q0 + depth), chunk = q1 - q0;
+    pack_w8<NR>(w, k, n, q0, q1, n0, n1, b);
+    for (int64_t c = n0; c < n1; c += NR) {
+      const uint8_t* strip = b + ((c - n0) / NR) * chunk * NR * 4;
+      const int64_t cols = std::min(NR, n1 - c);
+      for (int64_t r = r0; r < r1; r += MR) {
+        const int64_t rows = std::min(MR, std::min(m, r1) - r);
+        const bool whole = rows == MR && cols == NR;
+        const int32_t* ap = a + (r / MR) * quads * MR + q0 * MR;
+        int32_t* out = acc + r * n + c;
+        int32_t* dst = whole ? out : tile;
+        const int64_t ldd = whole ? n : NR;
+        if (q0 == 0) {
+          for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(128u, sums[r + rr]);
+          Tile::micro(ap, strip, chunk, nullptr, 0, start, dst, ldd);
+        } else if (whole) {
+          Tile::micro(ap, strip, chunk, out, n, nullptr, out, n);
+        } else {
+          std::memset(tile, 0, sizeof tile);
+          for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(tile + rr * NR, out + rr * n, cols * sizeof(int32_t));
+          Tile::micro(ap, strip, chunk, tile, NR, nullptr, tile, NR);
+        }
+        if (!whole)
+          for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(out + rr * n, tile + rr * NR, cols * sizeof(int32_t));
+      }
+    }
+  }
+}
+
+// int4: as int4_gemm_avx2 (a chunk holds whole blocks where blocks are short, each tile running
+// its blocks one after the other, each ending in the scale epilogue; or part of one long block,
+// whose int32 sums wait in a scratch between chunks).
+template <class Tile>
+void int4_gemm_quads(const int32_t* a, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+                     const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out) {
+  constexpr int64_t MR = Tile::MR, NR = Tile::NR;
+  static thread_local std::vector<uint8_t> panel;
+  static thread_local std::vector<int32_t> scratch_buffer;
+  const int64_t quads = (k + 3) / 4, width = n1 - n0, padded = (m + MR - 1) / MR * MR;
+  const int64_t groups = block >= k ? 1 : (k + block - 1) / block;
+  const int64_t block_quads = groups == 1 ? quads : block / 4;
+  const int32_t* sums = a + x_quads(m, k, MR);
+  int64_t depth = chunk_quads<NR>(width);
+  if (block_quads <= depth) depth = depth / block_quads * block_quads;
+  const size_t need = static_cast<size_t>(std::min(depth, quads) * ((width + NR - 1) / NR) * NR * 4);
+  if (panel.size() < need) panel.resize(need);
+  uint8_t* b = panel.data();
+  int32_t* scratch = nullptr;
+  if (block_quads > depth) {
+    const size_t cells = static_cast<size_t>((r1 - r0) * width);
+    if (scratch_buffer.size() < cells) scratch_buffer.resize(cells);
+    scratch = scratch_buffer.data();
+  }
+  alignas(64) int32_t tile[MR * NR];
+  int32_t start[MR];
+  for (int64_t q0 = 0; q0 < quads; q0 += depth) {
+    const int64_t q1 = std::min(quads, q0 + depth), chunk = q1 - q0;
+    pack_w4<NR>(w, k, n, q0, q1, n0, n1, b);
+    for (int64_t c = n0; c < n1; c += NR) {
+      const uint8_t* strip = b + ((c - n0) / NR) * chunk * NR * 4;
+      const int64_t cols = std::min(NR, n1 - c);
+      for (int64_t r = r0; r < r1; r += MR) {
+        const int64_t rows = std::min(MR, std::min(m, r1) - r);
+        const int32_t* ap = a + (r / MR) * quads * MR;
+        int32_t* keep = scratch == nullptr ? nullptr : scratch + (r - r0) * width + (c - n0);
+        for (int64_t q = q0; q < q1;) {
+          const int64_t g = q / block_quads, g0 = g * block_quads, g1 = std::min(quads, g0 + block_quads);
+          const int64_t qe = std::min(q1, g1);
+          const int32_t* aq = ap + q * MR;
+          const uint8_t* bq = strip + (q - q0) * NR * 4;
+          if (q == g0) {
+            for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(8u, sums[g * padded + r + rr]);
+            Tile::micro(aq, bq, qe - q, nullptr, 0, start, tile, NR);
+          } else if (rows == MR && cols == NR) {
+            Tile::micro(aq, bq, qe - q, keep, width, nullptr, tile, NR);
+          } else {  // the scratch holds only this task's rows and columns
+            std::memset(tile, 0, sizeof tile);
+            for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(tile + rr * NR, keep + rr * width, cols * sizeof(int32_t));
+            Tile::micro(aq, bq, qe - q, tile, NR, nullptr, tile, NR);
+          }
+          if (qe == g1) {
+            Tile::scale_tile(tile, rows, cols, scale + g * n + c, g == 0, out + r * n + c, n);
+          } else {
+            for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(keep + rr * width, tile + rr * NR, cols * sizeof(int32_t));
+          }
+          q = qe;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace autopolicy_cpu
