@@ -134,7 +134,8 @@ def test_the_kernel_matches_xla_at_the_grid_extremes_and_outlier_inputs(path, bi
 def test_each_path_runs_its_own_weight_only_variant(path, path_restored):
     # A path the variant table misses falls to the portable loop (10x slower), silently.
     cpu_kernels.set_path(path)
-    assert cpu_weight_only.variant() == {"avx512_vnni": "avx512", "avx2": "avx2", "portable": "portable"}[path]
+    assert cpu_weight_only.variant() == {"avx512_vnni": "avx512", "avx_vnni": "avx2", "avx2": "avx2",
+                                         "portable": "portable"}[path]
 
 
 @needs_kernel
