@@ -8,6 +8,7 @@
 // a third of the int8 GEMM's time.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "kernels.h"
 
@@ -87,8 +88,9 @@ void rescale_int4_as(const float* y, int64_t m, int64_t n, const float* x_scale,
 
 void quantize_rows(const void* x, bool bf16, int64_t m, int64_t k, int8_t* q, float* scale) {
 #if defined(__x86_64__)
-  static const bool avx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") != 0);
-  if (avx2) return quantize_rows_avx2(x, bf16, m, k, q, scale);
+  // Every path but the portable one needs AVX2; the portable path keeps to plain C++ throughout
+  // (so the tests of that path check this loop against XLA too).
+  if (std::strcmp(current_path().name, "portable") != 0) return quantize_rows_avx2(x, bf16, m, k, q, scale);
 #endif
   if (bf16) {
     quantize_rows_as(static_cast<const uint16_t*>(x), m, k, q, scale);
