@@ -12,9 +12,9 @@ within rounds, with their quartiles):
   ``cpu_ffi`` (autopolicy's C++ kernel);
 - ``int4 xla`` / ``int4 ffi``: the same with int4 weights per channel; ``int4/32 ffi`` with
   blocks of 32 (the grid of the SmolLM2 checkpoint);
-- ``int8 ffi avx2`` (and int4): the same FFI calls on another instruction-set path this CPU also
-  has (on an AVX512-VNNI machine, the AVX2 kernels beside the VNNI ones: the path is switched
-  around each timed call);
+- ``int8 ffi avx2`` (and int4, and ``avx_vnni``): the same FFI calls on each other
+  instruction-set path this CPU also has (on an AVX512-VNNI machine, the AVX-VNNI and AVX2
+  kernels beside the AVX-512 ones: the path is switched around each timed call);
 - ``keras int8`` / ``keras int4``: Keras 3's ``Dense(N)`` with the same weights after
   ``.quantize(...)`` (JAX backend, ``stateless_call`` in the same compiled loop).
 
