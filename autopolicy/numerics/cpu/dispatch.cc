@@ -12,8 +12,9 @@ namespace {
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 
 // GEMM thresholds (the fewest rows of x a GEMM takes; below, the streaming kernels), measured:
-// AVX2 on Zen 3 (kernels.h): int8 from 16 rows, int4 never (its vpmaddubsw stream beats the
-// vpmaddwd GEMM at every M). AVX512-VNNI on a 2-core Xeon (2026-11-26, kernel alone): the int8
+// AVX2 on Zen 3 (reports/cpu-kernels-amd-epyc-avx2-2c.md): int8 from 16 rows (the stream wins
+// below 12-16 rows at 4096 x 4096, up to 16-32 at 576 x 1536), int4 never (its vpmaddubsw stream,
+// 32 products per multiply, beats the vpmaddwd GEMM, 16, at every M up to 256). AVX512-VNNI on a 2-core Xeon (2026-11-26, kernel alone): the int8
 // GEMM was 0.97-1.05x the stream at 8-12 rows, 1.1-1.2x at 16, 1.5x at 32 and 1.6-2.3x at 256
 // on 4096 x 4096 and 576 x 1536; int4's GEMM 1.02-1.29x its stream at 16 rows, 1.3-2.2x at 256
 // (per channel and in blocks of 32), below 16 slower. AVX-VNNI (the same Xeon, that path forced;
@@ -24,16 +25,16 @@ constexpr int64_t kInt8GemmRows = 16, kInt4VnniGemmRows = 16;
 constexpr int64_t kInt8AvxVnniGemmRows = 8, kInt4AvxVnniGemmRows = 16;
 
 const Path kPortable{"portable", int8_portable, int4_portable, nullptr, nullptr, weight_only_portable,
-                     nullptr, nullptr, kNever, kNever};
+                     nullptr, kNever, kNever};
 #if defined(__x86_64__)
 const Path kAvx2{"avx2", int8_avx2, int4_avx2, int8_gemm_avx2, int4_gemm_avx2, weight_only_avx2,
-                 &kPairsX, &kPairsX, kInt8GemmRows, kNever};
+                 &kPairsX, kInt8GemmRows, kNever};
 const Path kAvx512Vnni{"avx512_vnni", int8_vnni, int4_vnni, int8_gemm_vnni, int4_gemm_vnni, weight_only_avx512,
-                       &kQuadsZmmX, &kQuadsZmmX, kInt8GemmRows, kInt4VnniGemmRows};
+                       &kQuadsZmmX, kInt8GemmRows, kInt4VnniGemmRows};
 // AVX2's streaming kernels with GEMMs on the VEX-encoded vpdpbusd (YMM, gemm_avxvnni.cc), for
 // CPUs with AVX-VNNI but no AVX-512 (Intel client cores from Alder Lake).
 const Path kAvxVnni{"avx_vnni", int8_avx2, int4_avx2, int8_gemm_avxvnni, int4_gemm_avxvnni, weight_only_avx2,
-                    &kQuadsYmmX, &kQuadsYmmX, kInt8AvxVnniGemmRows, kInt4AvxVnniGemmRows};
+                    &kQuadsYmmX, kInt8AvxVnniGemmRows, kInt4AvxVnniGemmRows};
 #endif
 
 bool cpu_has(const char* name) {

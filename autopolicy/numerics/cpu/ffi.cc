@@ -113,7 +113,7 @@ void int8_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
   const Path& path = current_path();
   const Runner run_on = runner_for(pool, m * k * n);
   if (path.int8_gemm != nullptr && m >= gemm_min_rows(false) && k > 0) {
-    const GemmX& layout = *path.int8_x;
+    const GemmX& layout = *path.gemm_x;
     std::vector<int32_t> xq(static_cast<size_t>(layout.words(m, k, k)));
     layout.pack(xp, m, k, k, xq.data());
     const int32_t* a = xq.data();
@@ -171,8 +171,8 @@ void int4_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
   const Runner run_on = runner_for(pool, m * ((k + 1) / 2) * n);
   Int4Fn fn = pairs_ok ? path.int4 : int4_portable;
   // The GEMM takes K rows k_group at a time (AVX2 pairs, VNNI quads): none may straddle a block.
-  if (path.int4_gemm != nullptr && (groups == 1 || block % path.int4_x->k_group == 0) && m >= gemm_min_rows(true)) {
-    const GemmX& layout = *path.int4_x;
+  if (path.int4_gemm != nullptr && (groups == 1 || block % path.gemm_x->k_group == 0) && m >= gemm_min_rows(true)) {
+    const GemmX& layout = *path.gemm_x;
     std::vector<int32_t> xq(static_cast<size_t>(layout.words(m, k, block)));
     layout.pack(xp, m, k, block, xq.data());
     const int32_t* a = xq.data();

@@ -68,8 +68,7 @@ struct Path {
   Int8GemmFn int8_gemm;  // null: the path has none (its int8/int4 kernels serve every M)
   Int4GemmFn int4_gemm;
   WeightOnlyFn weight_only;  // the GPTQ/AWQ product (weight_only.h) this path's CPUs run
-  const GemmX* int8_x;       // how int8_gemm and int4_gemm take x (null where they are)
-  const GemmX* int4_x;
+  const GemmX* gemm_x;       // how int8_gemm and int4_gemm take x (null where the path has neither)
   int64_t int8_gemm_rows, int4_gemm_rows;  // the fewest rows of x each GEMM takes (gemm_min_rows)
 };
 
@@ -90,13 +89,10 @@ void int8_gemm_avxvnni(const int32_t* xp, int64_t m, int64_t k, const int8_t* w,
 void int4_gemm_avxvnni(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                        const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
 
-// The fewest rows of x for which the FFI calls the GEMM (where the path has one), for the int8
-// (int4 = false) or int4 product; below, the streaming kernels. Measured on AVX2 (Zen 3; see
-// reports/cpu-kernels-amd-epyc-avx2-2c.md): int8 from 16 rows (the streaming kernel wins below
-// 12-16 rows at 4096 x 4096, up to 16-32 at 576 x 1536); int4 never: its streaming kernel
-// (vpmaddubsw, 32 products per multiply) beats this vpmaddwd GEMM (16) at every M measured, up
-// to 256. The AVX512-VNNI int8 GEMM takes the same 16 (dispatch.cc). set_gemm_min_rows sets both (tests, benchmarks; < 1 restores these defaults), as
-// AUTOPOLICY_CPU_GEMM_MIN_ROWS does at load.
+// The fewest rows of x for which the FFI calls the current path's GEMM, for the int8 (int4 =
+// false) or int4 product; below, the streaming kernels. The paths' thresholds were measured
+// (dispatch.cc); int64 max: never. set_gemm_min_rows sets one for both products on every path
+// (tests, benchmarks; < 1 restores the paths' own), as AUTOPOLICY_CPU_GEMM_MIN_ROWS does at load.
 int64_t gemm_min_rows(bool int4);
 void set_gemm_min_rows(int64_t rows);
 
