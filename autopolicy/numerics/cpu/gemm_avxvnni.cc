@@ -1,4 +1,4 @@
-// The AVX-VNNI GEMMs (gemm_quads.h) for CPUs with the VEX-encoded vpdpbusd on YMM registers but
+// The AVX-VNNI GEMMs (gemm_tiles.h) for CPUs with the VEX-encoded vpdpbusd on YMM registers but
 // no AVX-512 (Intel from Alder Lake, whose cores lack AVX-512): a 4 x 24 tile of int32 sums in 12
 // YMM registers; per quad of K rows 3 weight vectors, 4 broadcasts of x and 12 vpdpbusd (32
 // products each, where the AVX2 GEMM's vpmaddwd and vpaddd make 16).
@@ -9,7 +9,7 @@
 #pragma GCC target("avx2,fma,avxvnni")
 #include <immintrin.h>
 
-#include "gemm_quads.h"
+#include "gemm_tiles.h"
 
 namespace autopolicy_cpu {
 namespace {
@@ -17,6 +17,17 @@ namespace {
 struct Ymm4x24 {
   static constexpr int64_t MR = kAvxVnniGemmRows, NR = kAvxVnniGemmStrip;
   static_assert(MR == 4 && NR == 24, "the micro-kernel is written for 4 x 24 tiles");
+  static constexpr int64_t KG = 4, kDepthRows = kVnniGemmDepth, kPanelBytes = kVnniPanelBytes;
+  static constexpr uint32_t kOffset8 = 128, kOffset4 = 8;
+  static constexpr bool kPrefetchSums = false;
+
+  static void pack8(const int8_t* w, int64_t k, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
+    pack_w8<NR>(w, k, n, g0, g1, c0, c1, b);
+  }
+  static void pack4(const uint8_t* w, int64_t k, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
+    pack_w4<NR>(w, k, n, g0, g1, c0, c1, b);
+  }
+
 
   // As Zmm8x48::micro (gemm_vnni.cc). a: [quad][4] words, b: [quad][24] quads.
   __attribute__((always_inline)) static inline void micro(const int32_t* a, const uint8_t* b, int64_t quads,
@@ -57,25 +68,9 @@ struct Ymm4x24 {
 #undef AP_STORE
   }
 
-  // As Zmm8x48::scale_tile, eight columns at a time and the last ones one by one.
   static void scale_tile(const int32_t* tile, int64_t rows, int64_t cols, const float* scale, bool first, float* out,
                          int64_t ldo) {
-    int64_t j = 0;
-    for (; j + 8 <= cols; j += 8) {
-      const __m256 s = _mm256_loadu_ps(scale + j);
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m256 term = _mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + r * NR + j))), s);
-        float* y = out + r * ldo + j;
-        _mm256_storeu_ps(y, first ? term : _mm256_add_ps(_mm256_loadu_ps(y), term));
-      }
-    }
-    for (; j < cols; ++j)
-      for (int64_t r = 0; r < rows; ++r) {
-        const float term = static_cast<float>(tile[r * NR + j]) * scale[j];
-        float* y = out + r * ldo + j;
-        *y = first ? term : *y + term;
-      }
+    scale_tile_ymm<NR>(tile, rows, cols, scale, first, out, ldo);
   }
 };
 
@@ -85,12 +80,12 @@ const GemmX kQuadsYmmX{Ymm4x24::MR, Ymm4x24::NR, 4, quads_words<Ymm4x24::MR>, pa
 
 void int8_gemm_avxvnni(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
                        int64_t n0, int64_t n1, int32_t* acc) {
-  int8_gemm_quads<Ymm4x24>(a, m, k, w, n, r0, r1, n0, n1, acc);
+  int8_gemm_tiles<Ymm4x24>(a, m, k, w, n, r0, r1, n0, n1, acc);
 }
 
 void int4_gemm_avxvnni(const int32_t* a, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                        const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out) {
-  int4_gemm_quads<Ymm4x24>(a, m, k, w, n, block, scale, r0, r1, n0, n1, out);
+  int4_gemm_tiles<Ymm4x24>(a, m, k, w, n, block, scale, r0, r1, n0, n1, out);
 }
 
 }  // namespace autopolicy_cpu

@@ -1,4 +1,4 @@
-// The AVX512-VNNI GEMMs (gemm_quads.h) for many rows of x (M >= gemm_min_rows()): an 8 x 48 tile
+// The AVX512-VNNI GEMMs (gemm_tiles.h) for many rows of x (M >= gemm_min_rows()): an 8 x 48 tile
 // of int32 sums in 24 ZMM registers; per quad of K rows 3 weight vectors, 8 broadcasts of x and 24
 // vpdpbusd (64 products each).
 #include "kernels.h"
@@ -8,7 +8,7 @@
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
 #include <immintrin.h>
 
-#include "gemm_quads.h"
+#include "gemm_tiles.h"
 
 namespace autopolicy_cpu {
 namespace {
@@ -16,6 +16,17 @@ namespace {
 struct Zmm8x48 {
   static constexpr int64_t MR = kVnniGemmRows, NR = kVnniGemmStrip;
   static_assert(MR == 8 && NR == 48, "the micro-kernel is written for 8 x 48 tiles");
+  static constexpr int64_t KG = 4, kDepthRows = kVnniGemmDepth, kPanelBytes = kVnniPanelBytes;
+  static constexpr uint32_t kOffset8 = 128, kOffset4 = 8;
+  static constexpr bool kPrefetchSums = false;
+
+  static void pack8(const int8_t* w, int64_t k, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
+    pack_w8<NR>(w, k, n, g0, g1, c0, c1, b);
+  }
+  static void pack4(const uint8_t* w, int64_t k, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
+    pack_w4<NR>(w, k, n, g0, g1, c0, c1, b);
+  }
+
 
   // One tile over `quads` K quads: starts from `init` (ld ldi) or, where init is null, each row r
   // from start[r]; ends in dst (ld ldd; may be init). a: [quad][8] words, b: [quad][48] quads.
@@ -80,12 +91,12 @@ const GemmX kQuadsZmmX{Zmm8x48::MR, Zmm8x48::NR, 4, quads_words<Zmm8x48::MR>, pa
 
 void int8_gemm_vnni(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
                     int64_t n0, int64_t n1, int32_t* acc) {
-  int8_gemm_quads<Zmm8x48>(a, m, k, w, n, r0, r1, n0, n1, acc);
+  int8_gemm_tiles<Zmm8x48>(a, m, k, w, n, r0, r1, n0, n1, acc);
 }
 
 void int4_gemm_vnni(const int32_t* a, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                     const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out) {
-  int4_gemm_quads<Zmm8x48>(a, m, k, w, n, block, scale, r0, r1, n0, n1, out);
+  int4_gemm_tiles<Zmm8x48>(a, m, k, w, n, block, scale, r0, r1, n0, n1, out);
 }
 
 }  // namespace autopolicy_cpu

@@ -28,20 +28,18 @@ using Int8Fn = void (*)(const int8_t* x, int64_t m, int64_t k, const int8_t* w, 
 using Int4Fn = void (*)(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                         const float* scale, int64_t n0, int64_t n1, float* out);
 
-// The GEMM for many rows (gemm_avx2.cc): x packed once per call by pack_x_pairs, each call then
-// computing rows [r0, r1) (r0 a multiple of kGemmRows) and columns [n0, n1) of the same output.
+// The GEMMs for many rows (gemm_tiles.h; gemm_avx2.cc, gemm_vnni.cc, gemm_avxvnni.cc): x packed
+// once per call by the path's GemmX, each call then computing rows [r0, r1) (r0 a multiple of the
+// layout's rows) and columns [n0, n1) of the same output.
 using Int8GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0,
                             int64_t r1, int64_t n0, int64_t n1, int32_t* acc);
 using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                             const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
 
-// The GEMM's blocking: a register tile of kGemmRows x kGemmStrip int32 sums; tasks of at most
-// kGemmCols columns; K chunks of at most kGemmDepth rows (even), packed into about
-// kGemmPanelBytes (fewer rows for wider tasks).
-constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 256, kGemmCols = 1024;
-constexpr int64_t kGemmPanelBytes = 192 * 1024;
-// The GEMMs on vpdpbusd (gemm_quads.h): K chunks of at most kVnniGemmDepth rows (a multiple of
-// 4), packed into about kVnniPanelBytes; register tiles of 8 x 48 int32 sums (AVX512-VNNI, ZMM)
+// The GEMMs' blocking: tasks of at most kGemmCols columns; AVX2: a register tile of kGemmRows x
+// kGemmStrip int32 sums, K chunks of at most kGemmDepth rows (even), packed into about
+// kGemmPanelBytes (fewer rows for wider tasks); on vpdpbusd: K chunks of at most kVnniGemmDepth
+// rows (a multiple of 4) packed into about kVnniPanelBytes, tiles of 8 x 48 (AVX512-VNNI, ZMM)
 // and 4 x 24 (AVX-VNNI, YMM).
 constexpr int64_t kVnniGemmDepth = 512, kVnniPanelBytes = 192 * 1024;
 constexpr int64_t kVnniGemmRows = 8, kVnniGemmStrip = 48, kAvxVnniGemmRows = 4, kAvxVnniGemmStrip = 24;

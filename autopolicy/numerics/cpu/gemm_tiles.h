@@ -1,29 +1,34 @@
-// The int8 and int4 GEMMs on vpdpbusd, whatever its vector width: included by gemm_vnni.cc
-// (AVX512-VNNI, ZMM) and gemm_avxvnni.cc (AVX-VNNI, YMM) after their target pragmas, each with
-// its own register tile. Everything here has internal linkage, so each file's copy is compiled
-// for its own instruction set (nothing may be shared between them at link time).
+// The register- and cache-blocked GEMM drivers of every SIMD path, included by gemm_avx2.cc
+// (AVX2), gemm_vnni.cc (AVX512-VNNI) and gemm_avxvnni.cc (AVX-VNNI) after their target pragmas,
+// each with its own Tile (register tile, weight packing, micro-kernel, float epilogue). Everything
+// here has internal linkage, so each file's copy is compiled for its own instruction set (nothing
+// may be shared between them at link time).
 //
-// vpdpbusd multiplies unsigned bytes by signed bytes and adds each four products into a 32-bit
-// lane: the AVX2 GEMM's blocking (gemm_avx2.cc) around it, where vpmaddwd and vpaddd make 16
-// products per pair of instructions.
-//   - x is packed once per call (pack_x_quads, before the work is split) into panels of Tile::MR
-//     rows, each quad of K rows (x[4q] .. x[4q + 3]) one int32 word: [panel][quad][row], then
-//     each row's sum over each block of K rows (int8: one block, all of K);
-//   - each task (a block of rows times a block of columns) packs the weights of one K chunk at a
-//     time into strips of Tile::NR columns, each column's quad as four unsigned bytes (int8:
-//     w xor 0x80 = w + 128; int4: each nibble xor 8 = v + 8): [strip][quad][column]; the chunk
-//     (about kVnniPanelBytes) stays in L2 and the strip the micro-kernel walks in L1;
-//   - the micro-kernel (Tile::micro) holds an MR x NR tile of int32 sums in registers: per quad
-//     it loads a strip's NR columns, broadcasts MR x words (the signed operand: every int8
-//     activation, -128 included, is taken as it is) and runs one vpdpbusd per row and vector;
-//   - the offset adds 128 (int8) or 8 (int4) times the sum of x over the rows summed: each row's
-//     sums start at minus that instead of 0 (int32 arithmetic wraps, so the result is exact
-//     whenever the true sum fits in int32, as on every path). int8's later K chunks add to the
-//     output; int4 ends each block in the portable path's float operations in its order (out =
-//     term for the first block, out + term after, Tile::scale_tile: bit-identical), a block longer
-//     than a chunk keeping its int32 sums in a scratch between chunks. int4 blocks must be a
-//     multiple of 4 K rows (a quad never straddles two), or all of K; the FFI sends others to the
-//     streaming kernels.
+// The product is the same as the streaming kernels' (gemv_*.cc), reorganized the BLIS way. K rows
+// go Tile::KG at a time, one int32 word per row of x or column of the weights: AVX2 pairs of
+// int16 for vpmaddwd (exact for every int8 value, -128 included: nothing saturates), VNNI quads of
+// bytes for vpdpbusd (unsigned times signed bytes, four products into a 32-bit lane).
+//   - x is packed once per call (GemmX::pack, before the work is split) into panels of Tile::MR
+//     rows: [panel][group][row] words; for VNNI then each row's sum over each block of K rows
+//     (int8: one block, all of K), for the offset below;
+//   - each task (a block of rows times a block of at most kGemmCols columns) packs the weights of
+//     one K chunk at a time into strips of Tile::NR columns, [strip][group][column] words (int4
+//     nibbles unpacked there; VNNI: each byte offset to unsigned, int8 w xor 0x80 = w + 128, int4
+//     v xor 8 = v + 8); the chunk (about Tile::kPanelBytes: fewer K rows for wider blocks) stays in
+//     L2 and the strip the micro-kernel walks in L1. Wide column blocks matter: packing reads a
+//     piece of each weight row, and rows are a page apart at N = 4096, so short pieces leave the
+//     hardware prefetchers nothing to stream and packing waits on memory latency;
+//   - the micro-kernel (Tile::micro) holds an MR x NR tile of int32 sums in registers: per group
+//     it loads a strip's NR columns, broadcasts MR x words and runs one multiply-add per row and
+//     vector;
+//   - VNNI's offset adds Tile::kOffset8 (128) or kOffset4 (8) times the sum of x over the rows
+//     summed: each row's sums start at minus that instead of 0 (int32 arithmetic wraps, so the
+//     result is exact whenever the true sum fits in int32, as on every path);
+//   - int8's later K chunks add to the output; int4 ends each block in the portable path's float
+//     operations in its order (out = term for the first block, out + term after,
+//     Tile::scale_tile: bit-identical), a block longer than a chunk keeping its int32 sums in a
+//     scratch between chunks. int4 blocks must be a multiple of KG K rows (a group never
+//     straddles two), or all of K; the FFI sends others to the streaming kernels.
 #pragma once
 
 #include <algorithm>
@@ -149,12 +154,36 @@ void pack_w4(const uint8_t* w, int64_t k, int64_t n, int64_t q0, int64_t q1, int
   }
 }
 
-// The K quads of one packed chunk for `width` columns: the chunk (quads x width x 4 bytes) near
-// kVnniPanelBytes, so it stays in L2.
+// The K groups of one packed chunk for `width` columns: the chunk (groups x width words) near
+// Tile::kPanelBytes, so it stays in L2, and wide column blocks read long pieces of each weight row.
+template <class Tile>
+int64_t chunk_groups(int64_t width) {
+  const int64_t padded = (width + Tile::NR - 1) / Tile::NR * Tile::NR;
+  return std::max<int64_t>(8, std::min<int64_t>(Tile::kDepthRows / Tile::KG, Tile::kPanelBytes / 4 / padded));
+}
+
+// out = term (first block) or out + term, term = float(sum) * scale, eight columns at a time on
+// YMM and the last ones one by one: the portable path's float operations in its order. tile: rows
+// x cols of int32 sums (ld NR).
 template <int64_t NR>
-int64_t chunk_quads(int64_t width) {
-  const int64_t padded = (width + NR - 1) / NR * NR;
-  return std::max<int64_t>(8, std::min<int64_t>(kVnniGemmDepth / 4, kVnniPanelBytes / 4 / padded));
+void scale_tile_ymm(const int32_t* tile, int64_t rows, int64_t cols, const float* scale, bool first, float* out,
+                    int64_t ldo) {
+  int64_t j = 0;
+  for (; j + 8 <= cols; j += 8) {
+    const __m256 s = _mm256_loadu_ps(scale + j);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 term = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + r * NR + j))), s);
+      float* y = out + r * ldo + j;
+      _mm256_storeu_ps(y, first ? term : _mm256_add_ps(_mm256_loadu_ps(y), term));
+    }
+  }
+  for (; j < cols; ++j)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float term = static_cast<float>(tile[r * NR + j]) * scale[j];
+      float* y = out + r * ldo + j;
+      *y = first ? term : *y + term;
+    }
 }
 
 // Each row's sums start at -offset * sum (wrapping int32 arithmetic).
@@ -163,32 +192,41 @@ inline int32_t offset_start(uint32_t offset, int32_t sum) {
 }
 
 template <class Tile>
-void int8_gemm_quads(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
+void int8_gemm_tiles(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
                      int64_t n0, int64_t n1, int32_t* acc) {
   constexpr int64_t MR = Tile::MR, NR = Tile::NR;
   static thread_local std::vector<uint8_t> panel;
-  const int64_t quads = (k + 3) / 4, depth = chunk_quads<NR>(n1 - n0);
-  const int32_t* sums = a + x_quads(m, k, MR);
-  const size_t need = static_cast<size_t>(std::min(depth, quads) * ((n1 - n0 + NR - 1) / NR) * NR * 4);
+  const int64_t groups = (k + Tile::KG - 1) / Tile::KG, depth = chunk_groups<Tile>(n1 - n0);
+  const int32_t* sums = a + (m + MR - 1) / MR * MR * groups;  // read only where Tile::kOffset8
+  const size_t need = static_cast<size_t>(std::min(depth, groups) * ((n1 - n0 + NR - 1) / NR) * NR * 4);
   if (panel.size() < need) panel.resize(need);
   uint8_t* b = panel.data();
   alignas(64) int32_t tile[MR * NR];
-  int32_t start[MR];
-  for (int64_t q0 = 0; q0 < quads; q0 += depth) {
-    const int64_t q1 = std::min(quads, q0 + depth), chunk = q1 - q0;
-    pack_w8<NR>(w, k, n, q0, q1, n0, n1, b);
+  int32_t start[MR] = {};
+  for (int64_t g0 = 0; g0 < groups; g0 += depth) {
+    const int64_t g1 = std::min(groups, g0 + depth), chunk = g1 - g0;
+    Tile::pack8(w, k, n, g0, g1, n0, n1, b);
     for (int64_t c = n0; c < n1; c += NR) {
       const uint8_t* strip = b + ((c - n0) / NR) * chunk * NR * 4;
       const int64_t cols = std::min(NR, n1 - c);
       for (int64_t r = r0; r < r1; r += MR) {
         const int64_t rows = std::min(MR, std::min(m, r1) - r);
         const bool whole = rows == MR && cols == NR;
-        const int32_t* ap = a + (r / MR) * quads * MR + q0 * MR;
+        const int32_t* ap = a + (r / MR) * groups * MR + g0 * MR;
         int32_t* out = acc + r * n + c;
         int32_t* dst = whole ? out : tile;
         const int64_t ldd = whole ? n : NR;
-        if (q0 == 0) {
-          for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(128u, sums[r + rr]);
+        if (Tile::kPrefetchSums && g0 > 0 && r + MR < r1) {  // the next tile's sums, from L3 while this one runs
+          for (int64_t rr = 0; rr < MR; ++rr) {
+            const char* next = reinterpret_cast<const char*>(out + (MR + rr) * n);
+            _mm_prefetch(next, _MM_HINT_T0);
+            _mm_prefetch(next + 64, _MM_HINT_T0);
+            _mm_prefetch(next + 4 * NR - 1, _MM_HINT_T0);
+          }
+        }
+        if (g0 == 0) {
+          if (Tile::kOffset8 != 0)
+            for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(Tile::kOffset8, sums[r + rr]);
           Tile::micro(ap, strip, chunk, nullptr, 0, start, dst, ldd);
         } else if (whole) {
           Tile::micro(ap, strip, chunk, out, n, nullptr, out, n);
@@ -204,49 +242,50 @@ void int8_gemm_quads(const int32_t* a, int64_t m, int64_t k, const int8_t* w, in
   }
 }
 
-// int4: as int4_gemm_avx2 (a chunk holds whole blocks where blocks are short, each tile running
-// its blocks one after the other, each ending in the scale epilogue; or part of one long block,
-// whose int32 sums wait in a scratch between chunks).
+// int4: a chunk holds whole blocks where blocks are short (each tile then runs its blocks one
+// after the other, each ending in the scale epilogue), or part of one long block (its int32 sums
+// wait in a scratch between chunks).
 template <class Tile>
-void int4_gemm_quads(const int32_t* a, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
+void int4_gemm_tiles(const int32_t* a, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                      const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out) {
   constexpr int64_t MR = Tile::MR, NR = Tile::NR;
   static thread_local std::vector<uint8_t> panel;
   static thread_local std::vector<int32_t> scratch_buffer;
-  const int64_t quads = (k + 3) / 4, width = n1 - n0, padded = (m + MR - 1) / MR * MR;
-  const int64_t groups = block >= k ? 1 : (k + block - 1) / block;
-  const int64_t block_quads = groups == 1 ? quads : block / 4;
-  const int32_t* sums = a + x_quads(m, k, MR);
-  int64_t depth = chunk_quads<NR>(width);
-  if (block_quads <= depth) depth = depth / block_quads * block_quads;
-  const size_t need = static_cast<size_t>(std::min(depth, quads) * ((width + NR - 1) / NR) * NR * 4);
+  const int64_t groups = (k + Tile::KG - 1) / Tile::KG, width = n1 - n0, padded = (m + MR - 1) / MR * MR;
+  const int64_t blocks = block >= k ? 1 : (k + block - 1) / block;
+  const int64_t block_groups = blocks == 1 ? groups : block / Tile::KG;
+  const int32_t* sums = a + padded * groups;  // read only where Tile::kOffset4
+  int64_t depth = chunk_groups<Tile>(width);
+  if (block_groups <= depth) depth = depth / block_groups * block_groups;
+  const size_t need = static_cast<size_t>(std::min(depth, groups) * ((width + NR - 1) / NR) * NR * 4);
   if (panel.size() < need) panel.resize(need);
   uint8_t* b = panel.data();
   int32_t* scratch = nullptr;
-  if (block_quads > depth) {
+  if (block_groups > depth) {
     const size_t cells = static_cast<size_t>((r1 - r0) * width);
     if (scratch_buffer.size() < cells) scratch_buffer.resize(cells);
     scratch = scratch_buffer.data();
   }
   alignas(64) int32_t tile[MR * NR];
-  int32_t start[MR];
-  for (int64_t q0 = 0; q0 < quads; q0 += depth) {
-    const int64_t q1 = std::min(quads, q0 + depth), chunk = q1 - q0;
-    pack_w4<NR>(w, k, n, q0, q1, n0, n1, b);
+  int32_t start[MR] = {};
+  for (int64_t g0 = 0; g0 < groups; g0 += depth) {
+    const int64_t g1 = std::min(groups, g0 + depth), chunk = g1 - g0;
+    Tile::pack4(w, k, n, g0, g1, n0, n1, b);
     for (int64_t c = n0; c < n1; c += NR) {
       const uint8_t* strip = b + ((c - n0) / NR) * chunk * NR * 4;
       const int64_t cols = std::min(NR, n1 - c);
       for (int64_t r = r0; r < r1; r += MR) {
         const int64_t rows = std::min(MR, std::min(m, r1) - r);
-        const int32_t* ap = a + (r / MR) * quads * MR;
+        const int32_t* ap = a + (r / MR) * groups * MR;
         int32_t* keep = scratch == nullptr ? nullptr : scratch + (r - r0) * width + (c - n0);
-        for (int64_t q = q0; q < q1;) {
-          const int64_t g = q / block_quads, g0 = g * block_quads, g1 = std::min(quads, g0 + block_quads);
-          const int64_t qe = std::min(q1, g1);
+        for (int64_t q = g0; q < g1;) {
+          const int64_t blk = q / block_groups, b0 = blk * block_groups, b1 = std::min(groups, b0 + block_groups);
+          const int64_t qe = std::min(g1, b1);
           const int32_t* aq = ap + q * MR;
-          const uint8_t* bq = strip + (q - q0) * NR * 4;
-          if (q == g0) {
-            for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(8u, sums[g * padded + r + rr]);
+          const uint8_t* bq = strip + (q - g0) * NR * 4;
+          if (q == b0) {
+            if (Tile::kOffset4 != 0)
+              for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(Tile::kOffset4, sums[blk * padded + r + rr]);
             Tile::micro(aq, bq, qe - q, nullptr, 0, start, tile, NR);
           } else if (rows == MR && cols == NR) {
             Tile::micro(aq, bq, qe - q, keep, width, nullptr, tile, NR);
@@ -255,8 +294,8 @@ void int4_gemm_quads(const int32_t* a, int64_t m, int64_t k, const uint8_t* w, i
             for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(tile + rr * NR, keep + rr * width, cols * sizeof(int32_t));
             Tile::micro(aq, bq, qe - q, tile, NR, nullptr, tile, NR);
           }
-          if (qe == g1) {
-            Tile::scale_tile(tile, rows, cols, scale + g * n + c, g == 0, out + r * n + c, n);
+          if (qe == b1) {
+            Tile::scale_tile(tile, rows, cols, scale + blk * n + c, blk == 0, out + r * n + c, n);
           } else {
             for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(keep + rr * width, tile + rr * NR, cols * sizeof(int32_t));
           }
