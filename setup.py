@@ -16,6 +16,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = sorted(glob.glob(os.path.join("autopolicy", "numerics", "cpu", "*.cc")))
+# The headers too: a header changed alone must rebuild the library (build_ext compares these and
+# the sources with the built file, and skips the build when none is newer).
+HEADERS = sorted(glob.glob(os.path.join("autopolicy", "numerics", "cpu", "*.h")))
 
 
 def _ffi_include() -> str | None:
@@ -48,6 +51,7 @@ setup(
         Extension(
             "autopolicy.numerics.cpu._autopolicy_cpu",
             sources=SOURCES,
+            depends=HEADERS,
             include_dirs=[os.path.join("autopolicy", "numerics", "cpu")],
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"],

@@ -55,8 +55,7 @@ const GemmX kPairsX{kGemmRows, kGemmStrip, 2, pairs_words, pack_pairs};
 namespace autopolicy_cpu {
 namespace {
 
-constexpr int64_t MR = kGemmRows, NR = kGemmStrip;
-static_assert(MR == 4 && NR == 24, "the micro-kernel is written for 4 x 24 tiles");
+constexpr int64_t NR = kGemmStrip;
 
 // The weights of K pairs [p0, p1) and columns [c0, c1) as strips of NR columns ([strip][pair][NR]
 // int32 words, the columns past c1 zero). int8: rows 2p and 2p + 1 (a row past K is zero).
@@ -116,9 +115,14 @@ void pack_int4(const uint8_t* w, int64_t n, int64_t p0, int64_t p1, int64_t c0, 
   }
 }
 
-struct Avx2Pairs {
-  static constexpr int64_t MR = kGemmRows, NR = kGemmStrip, KG = 2;
-  static constexpr int64_t kDepthRows = kGemmDepth, kPanelBytes = kGemmPanelBytes;
+struct MaddPairs {  // vpmaddwd: two int16 products a lane, exact; vpaddd into the sums
+  static inline __m256i add(__m256i sums, __m256i w, __m256i x) {
+    return _mm256_add_epi32(sums, _mm256_madd_epi16(w, x));
+  }
+};
+
+struct Avx2Pairs : Ymm4x24<MaddPairs> {
+  static constexpr int64_t KG = 2, kDepthRows = kGemmDepth, kPanelBytes = kGemmPanelBytes;
   static constexpr uint32_t kOffset8 = 0, kOffset4 = 0;  // vpmaddwd takes signed pairs as they are
   static constexpr bool kPrefetchSums = true;
 
@@ -128,57 +132,8 @@ struct Avx2Pairs {
   static void pack4(const uint8_t* w, int64_t, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
     pack_int4(w, n, g0, g1, c0, c1, reinterpret_cast<int32_t*>(b));
   }
-
-  // One 4 x 24 tile over `pairs` K pairs: starts from `init` (ld ldi) or, where init is null,
-  // each row r from start[r]; ends in dst (ld ldd; may be init). a: [pair][4] words, b: [pair][24]
-  // words.
-  __attribute__((always_inline)) static inline void micro(const int32_t* a, const uint8_t* b, int64_t pairs,
-                                                          const int32_t* init, int64_t ldi, const int32_t* start,
-                                                          int32_t* dst, int64_t ldd) {
-    __m256i c00, c01, c02, c10, c11, c12, c20, c21, c22, c30, c31, c32;
-    if (init != nullptr) {
-  #define AP_LOAD(r) \
-    c##r##0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init + r * ldi)); \
-    c##r##1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init + r * ldi + 8)); \
-    c##r##2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init + r * ldi + 16));
-      AP_LOAD(0) AP_LOAD(1) AP_LOAD(2) AP_LOAD(3)
-  #undef AP_LOAD
-    } else {
-      c00 = c01 = c02 = _mm256_set1_epi32(start[0]);
-      c10 = c11 = c12 = _mm256_set1_epi32(start[1]);
-      c20 = c21 = c22 = _mm256_set1_epi32(start[2]);
-      c30 = c31 = c32 = _mm256_set1_epi32(start[3]);
-    }
-    const int32_t* bw = reinterpret_cast<const int32_t*>(b);
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bw));
-      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bw + 8));
-      const __m256i b2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bw + 16));
-  #define AP_ROW(r)                                                  \
-    {                                                                \
-      const __m256i x = _mm256_set1_epi32(a[r]);                     \
-      c##r##0 = _mm256_add_epi32(c##r##0, _mm256_madd_epi16(b0, x)); \
-      c##r##1 = _mm256_add_epi32(c##r##1, _mm256_madd_epi16(b1, x)); \
-      c##r##2 = _mm256_add_epi32(c##r##2, _mm256_madd_epi16(b2, x)); \
-    }
-      AP_ROW(0) AP_ROW(1) AP_ROW(2) AP_ROW(3)
-  #undef AP_ROW
-      a += MR;
-      bw += NR;
-    }
-  #define AP_STORE(r) \
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ldd), c##r##0); \
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ldd + 8), c##r##1); \
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ldd + 16), c##r##2);
-    AP_STORE(0) AP_STORE(1) AP_STORE(2) AP_STORE(3)
-  #undef AP_STORE
-  }
-
-  static void scale_tile(const int32_t* tile, int64_t rows, int64_t cols, const float* scale, bool first, float* out,
-                         int64_t ldo) {
-    scale_tile_ymm<NR>(tile, rows, cols, scale, first, out, ldo);
-  }
 };
+static_assert(Avx2Pairs::MR == kGemmRows && Avx2Pairs::NR == kGemmStrip, "kernels.h's tile");
 
 }  // namespace
 

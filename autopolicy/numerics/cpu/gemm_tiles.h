@@ -154,36 +154,87 @@ void pack_w4(const uint8_t* w, int64_t k, int64_t n, int64_t q0, int64_t q1, int
   }
 }
 
+// The layout of the vpdpbusd GEMMs (AVX512-VNNI, AVX-VNNI): quads of K rows, each weight byte
+// offset to unsigned, NR columns a strip.
+template <int64_t NR>
+struct QuadLayout {
+  static constexpr int64_t KG = 4, kDepthRows = kVnniGemmDepth, kPanelBytes = kVnniPanelBytes;
+  static constexpr uint32_t kOffset8 = 128, kOffset4 = 8;
+  static constexpr bool kPrefetchSums = false;
+
+  static void pack8(const int8_t* w, int64_t k, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
+    pack_w8<NR>(w, k, n, g0, g1, c0, c1, b);
+  }
+  static void pack4(const uint8_t* w, int64_t k, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
+    pack_w4<NR>(w, k, n, g0, g1, c0, c1, b);
+  }
+};
+
+// A 4 x 24 tile of int32 sums in 12 YMM registers (AVX2 pairs, AVX-VNNI quads): per group of K
+// rows it loads 3 weight vectors, broadcasts 4 x words and adds 12 products with Op::add(sums,
+// weights, x).
+template <class Op>
+struct Ymm4x24 {
+  static constexpr int64_t MR = 4, NR = 24;
+
+  // One tile over `groups` K groups: starts from `init` (ld ldi) or, where init is null, each
+  // row r from start[r]; ends in dst (ld ldd; may be init). a: [group][4] words, b: [group][24]
+  // words.
+  __attribute__((always_inline)) static inline void micro(const int32_t* a, const uint8_t* b, int64_t groups,
+                                                          const int32_t* init, int64_t ldi, const int32_t* start,
+                                                          int32_t* dst, int64_t ldd) {
+    __m256i c[MR][3];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 3; ++j)
+        c[r][j] = init != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init + r * ldi + 8 * j))
+                                  : _mm256_set1_epi32(start[r]);
+    for (int64_t p = 0; p < groups; ++p) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
+      const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64));
+      for (int r = 0; r < MR; ++r) {
+        const __m256i x = _mm256_set1_epi32(a[r]);
+        c[r][0] = Op::add(c[r][0], w0, x);
+        c[r][1] = Op::add(c[r][1], w1, x);
+        c[r][2] = Op::add(c[r][2], w2, x);
+      }
+      a += MR;
+      b += NR * 4;
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 3; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ldd + 8 * j), c[r][j]);
+  }
+
+  // out = term (first block) or out + term, term = float(sum) * scale, eight columns at a time
+  // and the last ones one by one: the portable path's float operations in its order. tile: rows x
+  // cols of int32 sums (ld NR).
+  static void scale_tile(const int32_t* tile, int64_t rows, int64_t cols, const float* scale, bool first, float* out,
+                         int64_t ldo) {
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) {
+      const __m256 s = _mm256_loadu_ps(scale + j);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m256 term = _mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + r * NR + j))), s);
+        float* y = out + r * ldo + j;
+        _mm256_storeu_ps(y, first ? term : _mm256_add_ps(_mm256_loadu_ps(y), term));
+      }
+    }
+    for (; j < cols; ++j)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float term = static_cast<float>(tile[r * NR + j]) * scale[j];
+        float* y = out + r * ldo + j;
+        *y = first ? term : *y + term;
+      }
+  }
+};
+
 // The K groups of one packed chunk for `width` columns: the chunk (groups x width words) near
 // Tile::kPanelBytes, so it stays in L2, and wide column blocks read long pieces of each weight row.
 template <class Tile>
 int64_t chunk_groups(int64_t width) {
   const int64_t padded = (width + Tile::NR - 1) / Tile::NR * Tile::NR;
   return std::max<int64_t>(8, std::min<int64_t>(Tile::kDepthRows / Tile::KG, Tile::kPanelBytes / 4 / padded));
-}
-
-// out = term (first block) or out + term, term = float(sum) * scale, eight columns at a time on
-// YMM and the last ones one by one: the portable path's float operations in its order. tile: rows
-// x cols of int32 sums (ld NR).
-template <int64_t NR>
-void scale_tile_ymm(const int32_t* tile, int64_t rows, int64_t cols, const float* scale, bool first, float* out,
-                    int64_t ldo) {
-  int64_t j = 0;
-  for (; j + 8 <= cols; j += 8) {
-    const __m256 s = _mm256_loadu_ps(scale + j);
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256 term = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + r * NR + j))), s);
-      float* y = out + r * ldo + j;
-      _mm256_storeu_ps(y, first ? term : _mm256_add_ps(_mm256_loadu_ps(y), term));
-    }
-  }
-  for (; j < cols; ++j)
-    for (int64_t r = 0; r < rows; ++r) {
-      const float term = static_cast<float>(tile[r * NR + j]) * scale[j];
-      float* y = out + r * ldo + j;
-      *y = first ? term : *y + term;
-    }
 }
 
 // Each row's sums start at -offset * sum (wrapping int32 arithmetic).

@@ -13,20 +13,9 @@
 namespace autopolicy_cpu {
 namespace {
 
-struct Zmm8x48 {
+struct Zmm8x48 : QuadLayout<kVnniGemmStrip> {
   static constexpr int64_t MR = kVnniGemmRows, NR = kVnniGemmStrip;
   static_assert(MR == 8 && NR == 48, "the micro-kernel is written for 8 x 48 tiles");
-  static constexpr int64_t KG = 4, kDepthRows = kVnniGemmDepth, kPanelBytes = kVnniPanelBytes;
-  static constexpr uint32_t kOffset8 = 128, kOffset4 = 8;
-  static constexpr bool kPrefetchSums = false;
-
-  static void pack8(const int8_t* w, int64_t k, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
-    pack_w8<NR>(w, k, n, g0, g1, c0, c1, b);
-  }
-  static void pack4(const uint8_t* w, int64_t k, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
-    pack_w4<NR>(w, k, n, g0, g1, c0, c1, b);
-  }
-
 
   // One tile over `quads` K quads: starts from `init` (ld ldi) or, where init is null, each row r
   // from start[r]; ends in dst (ld ldd; may be init). a: [quad][8] words, b: [quad][48] quads.
@@ -87,7 +76,7 @@ struct Zmm8x48 {
 
 }  // namespace
 
-const GemmX kQuadsZmmX{Zmm8x48::MR, Zmm8x48::NR, 4, quads_words<Zmm8x48::MR>, pack_x_quads<Zmm8x48::MR>};
+const GemmX kQuadsZmmX{Zmm8x48::MR, Zmm8x48::NR, Zmm8x48::KG, quads_words<Zmm8x48::MR>, pack_x_quads<Zmm8x48::MR>};
 
 void int8_gemm_vnni(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
                     int64_t n0, int64_t n1, int32_t* acc) {

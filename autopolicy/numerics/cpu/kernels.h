@@ -41,6 +41,8 @@ using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8
 // kGemmPanelBytes (fewer rows for wider tasks); on vpdpbusd: K chunks of at most kVnniGemmDepth
 // rows (a multiple of 4) packed into about kVnniPanelBytes, tiles of 8 x 48 (AVX512-VNNI, ZMM)
 // and 4 x 24 (AVX-VNNI, YMM).
+constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 256, kGemmCols = 1024;
+constexpr int64_t kGemmPanelBytes = 192 * 1024;
 constexpr int64_t kVnniGemmDepth = 512, kVnniPanelBytes = 192 * 1024;
 constexpr int64_t kVnniGemmRows = 8, kVnniGemmStrip = 48, kAvxVnniGemmRows = 4, kAvxVnniGemmStrip = 24;
 
