@@ -120,7 +120,7 @@ def test_int4_products_match_the_exact_sum(path, rows, k, n, block, path_restore
 
 
 # The GEMMs (M >= gemm_min_rows on paths that have one): (rows, K, N) at the edges of their
-# register tiles (AVX2 4 x 24, AVX512-VNNI 8 x 48), their K chunks (up to 256 and 512 rows, fewer
+# register tiles (AVX2 and AVX-VNNI 4 x 24, AVX512-VNNI 8 x 48), their K chunks (up to 256 and 512 rows, fewer
 # for wide column blocks) and their tasks: M, N and K not multiples of the tile, odd K, one row,
 # one column, whole tiles over several chunks, several tasks.
 GEMM_SHAPES = [(1, 64, 24), (4, 48, 24), (5, 577, 45), (7, 33, 17), (9, 513, 300), (13, 1000, 401), (33, 3, 1),

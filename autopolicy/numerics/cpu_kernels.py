@@ -3,11 +3,12 @@ against the package's int8 and packed int4 weights, where XLA's own are slower t
 
 The C++ (``autopolicy/numerics/cpu/``) is built by ``pip install -e .`` into one shared library
 beside it; its instruction-set path (:data:`PATHS`: AVX512-VNNI, AVX-VNNI, AVX2, or the portable
-reference) is chosen when it loads, from the CPU's features, never at build time. :func:`int8_matmul` and :func:`int4_matmul` take
-int8 inputs quantized by the caller; :func:`int8_dense` and :func:`int4_dense` (what the layers
-call) take the float input and do the whole layer in one call: the per-row quantization, the
-integer product, the rescale and an optional bias, each in the same float32 operations as the
-package's XLA path, so the outputs equal it bit for bit. At batch 1 on small layers the separate
+reference) is chosen when it loads, from the CPU's features, never at build time.
+:func:`int8_matmul` and :func:`int4_matmul` take int8 inputs quantized by the caller;
+:func:`int8_dense` and :func:`int4_dense` (what the layers call) take the float input and do the
+whole layer in one call: the per-row quantization, the integer product, the rescale and an
+optional bias, each in the same float32 operations as the package's XLA path, so the outputs
+equal it bit for bit. At batch 1 on small layers the separate
 XLA ops around the call cost as much as the product. Work is split over as many threads as XLA's
 intra-op pool has: the calling thread and the library's own helpers, which poll for the next call
 for :func:`spin_us` microseconds before they sleep (or XLA's pool itself, with
@@ -137,8 +138,8 @@ def gemm_min_rows(kind: str = "int8") -> int | None:
     """The fewest rows of x (the batch M) for which the ``kind`` (``"int8"`` or ``"int4"``) product
     runs the register-blocked GEMM of the current path (:func:`path`); below it, the
     streaming kernels. None: never (the portable path has no GEMM; on AVX2 int4's streaming kernel
-    was measured faster at every M). Measured defaults: AVX2 int8 16 rows; AVX512-VNNI 16 rows,
-    int8 and int4."""
+    was measured faster at every M). Measured defaults: AVX2 int8 16 rows; AVX-VNNI int8 8 rows,
+    int4 16; AVX512-VNNI 16 rows, int8 and int4."""
     if kind not in ("int8", "int4"):
         raise ValueError(f"Invalid kind. Expected one of ('int8', 'int4'). Received: {kind!r}")
     rows = int(_lib().autopolicy_cpu_gemm_min_rows(int(kind == "int4")))
