@@ -41,6 +41,7 @@
 namespace autopolicy_cpu {
 namespace {
 
+// x for the vpdpbusd GEMMs (kernels.h's kQuadsZmmX, kQuadsYmmX): the words it takes, and x packed.
 template <int64_t MR>
 int64_t quads_words(int64_t m, int64_t k, int64_t block) {
   const int64_t groups = block >= k ? 1 : (k + block - 1) / block;
