@@ -50,26 +50,30 @@ int64_t quads_words(int64_t m, int64_t k, int64_t block) {
 
 template <int64_t MR>
 void pack_x_quads(const int8_t* x, int64_t m, int64_t k, int64_t block, int32_t* a) {
-  const int64_t quads = (k + 3) / 4, panels = (m + MR - 1) / MR, padded = panels * MR;
+  const int64_t quads = (k + 3) / 4, whole = k / 4, panels = (m + MR - 1) / MR, padded = panels * MR;
   const int64_t groups = block >= k ? 1 : (k + block - 1) / block, span = groups == 1 ? k : block;
   int32_t* sums = a + x_quads(m, k, MR);
   for (int64_t panel = 0; panel < panels; ++panel) {
     int32_t* dst = a + panel * quads * MR;
-    for (int64_t rr = 0; rr < MR; ++rr) {
-      const int64_t r = panel * MR + rr;
-      if (r >= m) {
-        for (int64_t q = 0; q < quads; ++q) dst[q * MR + rr] = 0;
-        for (int64_t g = 0; g < groups; ++g) sums[g * padded + r] = 0;
-        continue;
+    const int8_t* rows[MR];
+    for (int64_t rr = 0; rr < MR; ++rr) rows[rr] = panel * MR + rr < m ? x + (panel * MR + rr) * k : nullptr;
+    // A quad at a time across the panel's rows: each row read front to back, the words written in
+    // order.
+    for (int64_t q = 0; q < whole; ++q)
+      for (int64_t rr = 0; rr < MR; ++rr) {
+        int32_t word = 0;
+        if (rows[rr] != nullptr) std::memcpy(&word, rows[rr] + 4 * q, 4);
+        dst[q * MR + rr] = word;
       }
-      const int8_t* row = x + r * k;
-      for (int64_t q = 0; q < quads; ++q) dst[q * MR + rr] = quad_of(row, 4 * q, k);
+    for (int64_t q = whole; q < quads; ++q)  // the last, partial quad (bytes past K are zero)
+      for (int64_t rr = 0; rr < MR; ++rr) dst[q * MR + rr] = rows[rr] != nullptr ? quad_of(rows[rr], 4 * q, k) : 0;
+    for (int64_t rr = 0; rr < MR; ++rr)
       for (int64_t g = 0; g < groups; ++g) {
         int32_t total = 0;
-        for (int64_t i = g * span; i < std::min(k, (g + 1) * span); ++i) total += row[i];
-        sums[g * padded + r] = total;
+        if (rows[rr] != nullptr)
+          for (int64_t i = g * span; i < std::min(k, (g + 1) * span); ++i) total += rows[rr][i];
+        sums[g * padded + panel * MR + rr] = total;
       }
-    }
   }
 }
 
