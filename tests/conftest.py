@@ -17,8 +17,8 @@ Set up before JAX is imported, for a fast run under pytest-xdist (``-n auto``):
   (``--xla_cpu_use_fusion_emitters=false``, where the installed XLA has the flag and ``XLA_FLAGS``
   does not name it): these build an MLIR context and pass pipeline per fusion, and the fast tier
   took 38% less CPU time without them (fresh caches, the 2-core Xeon with AVX-512 and AMX:
-  248-272 s -> 153-166 s; pytest's wall time 137-150 s -> 85-92 s), every test passing. The bit-exact references compile with
-  the fusion emitters, as users run them.
+  248-272 s -> 153-166 s; pytest's wall time 137-150 s -> 85-92 s), every test passing. The
+  bit-exact references compile with the fusion emitters, as users run them.
 - JAX's persistent compilation cache is on for the run, in the git-ignored ``.cache/jax-tests``
   (override with ``AUTOPOLICY_TEST_JAX_CACHE``; an empty value turns it off), with no minimum
   compile time, so a second run reuses the first one's compilations.

@@ -8,9 +8,8 @@ reference) is chosen when it loads, from the CPU's features, never at build time
 :func:`int8_dense` and :func:`int4_dense` (what the layers call) take the float input and do the
 whole layer in one call: the per-row quantization, the integer product, the rescale and an
 optional bias, each in the same float32 operations as the package's XLA path, so the outputs
-equal it bit for bit. At batch 1 on small layers the separate
-XLA ops around the call cost as much as the product. Work is split over as many threads as XLA's
-intra-op pool has: the calling thread and the library's own helpers, which poll for the next call
+equal it bit for bit. At batch 1 on small layers the separate XLA ops around the call cost as
+much as the product. Work is split over as many threads as XLA's intra-op pool has: the calling thread and the library's own helpers, which poll for the next call
 for :func:`spin_us` microseconds before they sleep (or XLA's pool itself, with
 ``set_spin_us(0)``); calls whose weights are below :func:`serial_max_bytes` run on the calling
 thread alone.

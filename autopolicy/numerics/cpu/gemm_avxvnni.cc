@@ -19,7 +19,6 @@ struct Dpbusd {
 };
 
 struct AvxVnniTile : QuadLayout<24>, Ymm4x24<Dpbusd> {};
-static_assert(AvxVnniTile::MR == kAvxVnniGemmRows && AvxVnniTile::NR == kAvxVnniGemmStrip, "kernels.h's tile");
 
 }  // namespace
 

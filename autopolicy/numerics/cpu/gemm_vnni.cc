@@ -13,9 +13,8 @@
 namespace autopolicy_cpu {
 namespace {
 
-struct Zmm8x48 : QuadLayout<kVnniGemmStrip> {
-  static constexpr int64_t MR = kVnniGemmRows, NR = kVnniGemmStrip;
-  static_assert(MR == 8 && NR == 48, "the micro-kernel is written for 8 x 48 tiles");
+struct Zmm8x48 : QuadLayout<48> {  // the micro-kernel below is written for this tile
+  static constexpr int64_t MR = 8, NR = 48;
 
   // One tile over `quads` K quads: starts from `init` (ld ldi) or, where init is null, each row r
   // from start[r]; ends in dst (ld ldd; may be init). a: [quad][8] words, b: [quad][48] quads.

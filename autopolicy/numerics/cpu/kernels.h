@@ -39,12 +39,11 @@ using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8
 // The GEMMs' blocking: tasks of at most kGemmCols columns; AVX2: a register tile of kGemmRows x
 // kGemmStrip int32 sums, K chunks of at most kGemmDepth rows (even), packed into about
 // kGemmPanelBytes (fewer rows for wider tasks); on vpdpbusd: K chunks of at most kVnniGemmDepth
-// rows (a multiple of 4) packed into about kVnniPanelBytes, tiles of 8 x 48 (AVX512-VNNI, ZMM)
-// and 4 x 24 (AVX-VNNI, YMM).
+// rows (a multiple of 4) packed into about kVnniPanelBytes, tiles of 8 x 48 (AVX512-VNNI, ZMM:
+// gemm_vnni.cc) and 4 x 24 (AVX-VNNI, YMM: gemm_tiles.h's Ymm4x24).
 constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 256, kGemmCols = 1024;
 constexpr int64_t kGemmPanelBytes = 192 * 1024;
 constexpr int64_t kVnniGemmDepth = 512, kVnniPanelBytes = 192 * 1024;
-constexpr int64_t kVnniGemmRows = 8, kVnniGemmStrip = 48, kAvxVnniGemmRows = 4, kAvxVnniGemmStrip = 24;
 
 // How a path's GEMMs take x: packed once per call, before the work is split, into panels of
 // `rows` rows (`words(m, k, block)` int32 words); their tasks are blocks of whole panels times
