@@ -57,3 +57,29 @@ def tiny_two_layer():
         return 1.0 - float(jnp.mean(jnp.abs(m(x).astype(jnp.float32) - reference)))
 
     return model, fidelity, x
+
+
+def ops_outside_loops(hlo_text, pattern=r"\b(dot|convolution)\("):
+    """Instructions matching ``pattern`` that a compiled program (``compiled.as_text()``) runs
+    outside every while loop: in its entry computation or what that calls other than a loop.
+    A timing loop whose layer XLA hoisted out of the loop has its dot here."""
+    import re  # pylint: disable=import-outside-toplevel
+
+    computations, current = {}, None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            current = "ENTRY" if header.group(1) else header.group(2)
+            computations[current] = []
+        elif current is not None and line.strip() != "}":
+            computations[current].append(line)
+    outside, todo = {"ENTRY"}, ["ENTRY"]
+    while todo:
+        for line in computations.get(todo.pop(), []):
+            if " while(" in line:
+                continue
+            for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line):
+                if callee not in outside:
+                    outside.add(callee)
+                    todo.append(callee)
+    return [line.strip() for name in outside for line in computations.get(name, []) if re.search(pattern, line)]

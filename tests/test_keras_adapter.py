@@ -216,7 +216,7 @@ def _cost(candidate):
 def fake_clock(monkeypatch):
     clock = _FakeClock()
 
-    def compile_loop(candidate, inner=None):
+    def compile_loop(candidate, inner=None, unroll=None):
         cost = _cost(candidate)
 
         def run(count=None):

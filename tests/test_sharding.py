@@ -12,7 +12,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from autopolicy import nn, policies, search
 from autopolicy.numerics import _sharding, int4, int8
+from autopolicy.search import timing
 from autopolicy.search.adapter import shapes_and_dtypes
+
+from helpers import ops_outside_loops
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4,
                                 reason="needs 4 devices: run with JAX_NUM_CPU_DEVICES=4 (the multi-device tier)")
@@ -107,6 +110,19 @@ def test_every_candidate_times_with_a_finite_median_on_a_mesh(shape, explicit):
         assert not any("all-gather" in c or "collective-permute" in c for c in row.collectives)
     else:  # a model axis of size 1: the kernels are whole on each device
         assert by_layer["mlp/dense"] == by_layer["mlp/dense_1"] == {"none"}
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+def test_a_sharded_layers_timing_loop_keeps_the_layer_inside_the_loop(explicit):
+    # An optimization barrier tying the inputs to the previous outputs let XLA:CPU hoist the dot
+    # out of the loop: every timed call then measured one layer call however many it counted.
+    model, x = _mlp()
+    mesh = _mesh((2, 2), explicit)
+    with jax.set_mesh(mesh):
+        sharded, xs = _shard(mesh, model, x)
+        runner = timing.compile_loop(timing.Candidate(lambda m, a: m(a), (xs,), sharded.layers[0]))
+        text = runner.compiled.as_text()
+    assert " while(" in text and ops_outside_loops(text) == []
 
 
 def test_the_layout_is_part_of_a_layers_signature():

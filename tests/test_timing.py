@@ -6,6 +6,8 @@ import pytest
 
 from autopolicy.search import timing
 
+from helpers import ops_outside_loops
+
 X = jax.random.normal(jax.random.key(0), (64, 64))
 
 
@@ -27,6 +29,59 @@ def test_the_trip_count_is_a_runtime_argument_of_one_compilation(monkeypatch):
     calls.clear()
     runner()
     assert len(calls) == 5 and len(compiles) == 1
+
+
+def test_off_a_cpu_each_iteration_runs_several_dependent_calls(monkeypatch):
+    monkeypatch.setattr(timing, "_platform", lambda candidate: "gpu")
+    calls = []
+    runner = timing.compile_loop(_counting_candidate(calls))
+    runner(3)
+    assert runner.calls_per_iteration == timing.UNROLL == 8 and len(calls) == 24
+    timer = timing.Timer({"a": _counting_candidate([])}, warmup=1)
+    assert timer.runners["a"][1] % 8 == 0  # calls per timed call, by which each sample is divided
+
+
+def test_the_layer_runs_inside_the_loop_not_hoisted_out_of_it():
+    runner = timing.compile_loop(timing.Candidate(lambda w, x: x @ w, (X,), jnp.eye(64)))
+    text = runner.compiled.as_text()
+    assert " while(" in text and ops_outside_loops(text) == []
+    # The check itself sees a dot outside a loop.
+    plain = jax.jit(lambda w, x: x @ w).lower(jnp.eye(64), X).compile().as_text()
+    assert len(ops_outside_loops(plain)) == 1
+
+
+class _Clock:
+    """A call of ``n`` iterations takes ``fixed + n * per_iteration`` fake seconds."""
+
+    def __init__(self, fixed, per_iteration):
+        self.now, self.fixed, self.per_iteration = 0.0, fixed, per_iteration
+
+    def perf_counter(self):
+        return self.now
+
+    def runner(self, n):
+        self.now += self.fixed + n * self.per_iteration
+
+
+@pytest.mark.parametrize("fixed, per_iteration, expected", [
+    (0.0, 1e-4, 20),        # no fixed cost: 2 ms of iterations
+    (4e-4, 5e-6, 1600),     # a GPU's launch and sync around a 5 us layer: fixed cost <= 5%
+    (0.0, 3e-3, 1),         # one iteration already lasts the target, with no fixed cost
+    (1e-3, 6.3e-3, 2),      # a CPU's 1 ms around a 6.3 ms Dense: calls of at most 5 targets
+    (1e-3, 11e-3, 1),       # one iteration lasts 5 targets: not estimated further
+    (1e-3, 1e-7, 10000),    # capped at MAX_INNER
+])
+def test_the_iterations_per_call_leave_the_fixed_cost_a_small_share(monkeypatch, fixed, per_iteration, expected):
+    clock = _Clock(fixed, per_iteration)
+    monkeypatch.setattr(timing, "time", clock)
+    assert timing.choose_inner(clock.runner, target_seconds=2e-3) == expected
+
+
+def test_on_a_cpu_the_fixed_cost_counts_as_work(monkeypatch):
+    # Work XLA hoisted out of the loop (a weight reorder) is paid by a model in every call.
+    clock = _Clock(4e-4, 5e-6)
+    monkeypatch.setattr(timing, "time", clock)
+    assert timing.choose_inner(clock.runner, target_seconds=2e-3, fixed_is_work=True) == 5
 
 
 def test_rounds_are_paired_and_candidates_can_be_added_later():

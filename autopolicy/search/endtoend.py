@@ -114,7 +114,9 @@ class EndToEnd:
                 program = self.adapter.model_program(self.models[config.name])
                 todo = {k: timing.Candidate(program.fn, program.args, program.state, carry=self.step_carry)}
                 if self.timer is None:
-                    self.timer = timing.Timer(todo)
+                    # A whole model's call is long next to a loop iteration's own cost: its
+                    # loop is not unrolled (eight copies of a model would multiply its compile time).
+                    self.timer = timing.Timer(todo, unroll=1)
                 else:
                     self.timer.add(todo)
             except Exception as e:  # pylint: disable=broad-except

@@ -28,13 +28,20 @@ import numpy as np
 from autopolicy import _multihost
 from autopolicy.numerics import _sharding
 
-__all__ = ["Timing", "Candidate", "Timer", "compile_loop", "check_carry", "measure", "summarize"]
+__all__ = ["Timing", "Candidate", "Timer", "choose_inner", "compile_loop", "check_carry", "measure", "summarize"]
 
 #: Part of every cached timing's key: measurements taken by an older method (or an older kernel
 #: implementation) are not reused.
-METHOD = "loop-carry-5"
+METHOD = "loop-carry-6"
 TARGET_CALL_SECONDS = 2e-3  # each timed call runs at least this long (amortizes dispatch)
-MAX_INNER = 1000
+MAX_INNER = 10000
+#: The most of a timed call its fixed cost may take (:func:`choose_inner`).
+FIXED_SHARE = 0.05
+MAX_CALL_TARGETS = 5
+#: Calls per loop iteration off CPUs: a GPU's while loop costs ~35 us an iteration (its condition
+#: goes to the host), many times a small layer's work; on an H200, layers of `encoder_latency`
+#: timed one call an iteration summed to 4.3x the model, eight calls 1.0-1.3x.
+UNROLL = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,36 +109,45 @@ def _zeros_like_type(shape: Any) -> jax.Array:
     return jnp.zeros(shape.shape, shape.dtype)
 
 
-def compile_loop(candidate: Candidate, inner: int | None = None) -> Callable[..., None]:
+def compile_loop(candidate: Candidate, inner: int | None = None, unroll: int | None = None) -> Callable[..., None]:
     """Compiles dependent calls of the candidate, once, and returns a blocking runner.
 
-    The number of calls is a runtime argument of the compiled loop: ``runner(n)`` runs ``n``
-    calls (default ``inner``), so estimating a call's time and timing many calls share one
-    compilation (whole models take seconds to compile).
+    The number of iterations is a runtime argument of the compiled loop: ``runner(n)`` runs
+    ``n`` (default ``inner``), so estimating a call's time and timing many calls share one
+    compilation (whole models take seconds to compile). Each iteration runs ``unroll`` calls
+    (``runner.calls_per_iteration``; default :data:`UNROLL` off CPUs, else 1; a stateful step
+    runs one).
     """
 
     sharded = _sharding.spans_devices((candidate.state, candidate.inputs))
     if candidate.carry is not None and not sharded:
         return _compile_carried_loop(candidate, inner)
+    if unroll is None:
+        unroll = 1 if _platform(candidate) == "cpu" else UNROLL
 
     def loop(state, inputs, eps, count):
         def step(scalar):
             return candidate.call(state, _perturb(inputs, scalar, eps))
 
-        def body(_, carry):
-            scalar, previous = carry
-            if sharded:
-                # A scalar taken from a sharded output would add a collective to every call
-                # timed (and Explicit axes refuse the slice): the inputs go through an
-                # optimization barrier with the previous outputs instead, which XLA can neither
-                # see through nor hoist, at no cost.
-                tied, _ = jax.lax.optimization_barrier((inputs, previous))
-                return scalar, candidate.call(state, tied)
-            out = step(scalar)
-            first = jax.tree_util.tree_leaves(out)[0]
-            # Every output is part of the loop's result, so none of it can be dropped; the
-            # next iteration depends on this one through ``scalar``, so nothing can be hoisted.
-            return scalar + first.reshape(-1)[0].astype(jnp.float32) * eps, out
+        def body(i, carry):
+            scalar, out = carry
+            for k in range(unroll):
+                if sharded:
+                    # A scalar taken from a sharded output would add a collective to every call
+                    # timed (and Explicit axes refuse the slice): the inputs are perturbed by
+                    # the call's index instead (times the runtime zero), which differs in every
+                    # call, so no call can be hoisted out of the loop. (An optimization barrier
+                    # tying the inputs to the previous outputs did not stop XLA:CPU from
+                    # hoisting it: 64 iterations of a sharded 1024 x 1024 Dense took 1.7x one.)
+                    index = (i * unroll + k).astype(jnp.float32)
+                    out = candidate.call(state, _perturb(inputs, index, eps))
+                    continue
+                out = step(scalar)
+                first = jax.tree_util.tree_leaves(out)[0]
+                # Every output is part of the loop's result, so none of it can be dropped; the
+                # next call depends on this one through ``scalar``, so nothing can be hoisted.
+                scalar = scalar + first.reshape(-1)[0].astype(jnp.float32) * eps
+            return scalar, out
 
         zero = jnp.zeros((), jnp.float32)
         shapes = jax.eval_shape(step, zero)
@@ -149,6 +165,8 @@ def compile_loop(candidate: Candidate, inner: int | None = None) -> Callable[...
     def run(count: int | None = None) -> None:
         jax.block_until_ready(compiled(state, arrays, eps, default if count is None else jnp.int32(count)))
 
+    run.compiled = compiled  # for inspection: what XLA made of the loop
+    run.calls_per_iteration = unroll
     return run
 
 
@@ -261,6 +279,60 @@ def _compile_carried_loop(candidate: Candidate, inner: int | None) -> Callable[.
     return run
 
 
+def _fastest_of_3(runner: Callable[[int], None], count: int) -> float:
+    """The fastest of three calls of ``count`` iterations, the slowest process's (every process
+    must run the same number of calls)."""
+    return float(_multihost.slowest([min(_time_once(lambda: runner(count)) for _ in range(3))])[0])
+
+
+def _platform(candidate: Candidate) -> str:
+    """The platform of the candidate's arrays (the default backend's if it holds none)."""
+    for leaf in jax.tree_util.tree_leaves((candidate.state, candidate.inputs)):
+        if isinstance(leaf, jax.Array):
+            return next(iter(leaf.devices())).platform
+    return jax.default_backend()
+
+
+def choose_inner(runner: Callable[[int], None], target_seconds: float = TARGET_CALL_SECONDS,
+                 fixed_is_work: bool = False) -> int:
+    """The iterations per timed call: enough for the call to last ``target_seconds`` and for its
+    fixed cost (dispatch, the loop's set-up, and on a GPU the program's launch and
+    synchronization) to be at most :data:`FIXED_SHARE` of it (the call lasting at most
+    ``MAX_CALL_TARGETS`` targets).
+
+    ``fixed_is_work`` (the search passes it on CPUs): the fixed cost is partly the layer's own
+    work, which XLA hoisted out of the loop because it reads only the weights (a weight reorder
+    before oneDNN's int8 dot) and which a model pays in every call. The calls are then sized from
+    one iteration alone (``target_seconds`` of it, fixed cost included), which keeps a share of
+    it: on a 2-core Xeon, ``encoder_latency``'s int8 layers sized by the slope summed to 0.56x
+    the model, sized from one iteration 1.09x (``experiments/bench_layer_sum.py``).
+
+    A call of ``n`` iterations takes about ``fixed + n * per_iteration``. Both are estimated from
+    calls of 1 iteration and of ``m`` (enough for ``target_seconds`` by the first, and at least 2), ``m`` doubled
+    while the longer call is not clearly longer (the slope between two nearly equal times is
+    noise). Sizing from one iteration alone, as the timing method "loop-carry-5" did, let the
+    fixed cost inflate short layers: on an H100 a 128-token Dense ran 5 iterations per call and was
+    timed at 0.2 ms, and layers timed alone summed to 26x the model; on a 2-core Xeon a 1024 x
+    1024 Dense on 1024 rows (6.3 ms of work) took 1 ms more in a call of one iteration.
+    """
+    one = _fastest_of_3(runner, 1)
+    if fixed_is_work:
+        return int(min(MAX_INNER, max(1, math.ceil(target_seconds / max(one, 1e-7)))))
+    if one >= MAX_CALL_TARGETS * target_seconds:
+        return 1
+    low_n, low_t = 1, one
+    n = int(min(MAX_INNER, max(2, math.ceil(target_seconds / max(one, 1e-7)))))
+    while True:
+        t = _fastest_of_3(runner, n)
+        if t - low_t >= 0.25 * t or n >= MAX_INNER:
+            break
+        low_n, low_t, n = n, t, min(2 * n, MAX_INNER)
+    per_iteration = max((t - low_t) / (n - low_n), 1e-9)
+    fixed = max(t - n * per_iteration, 0.0)
+    wanted = min(max(target_seconds, fixed / FIXED_SHARE), MAX_CALL_TARGETS * target_seconds)
+    return int(min(MAX_INNER, max(1, math.ceil(wanted / per_iteration))))
+
+
 def _time_once(run: Callable[[], None]) -> float:
     start = time.perf_counter()
     run()
@@ -279,15 +351,17 @@ class Timer:
       warmup: Untimed rounds after compilation.
       target_seconds: Each timed call runs ``inner`` iterations to last at least this long.
       seed: Seeds the order of candidates in each round.
+      unroll: Calls per loop iteration (:func:`compile_loop`; default: by platform).
     """
 
     def __init__(self, candidates: Mapping[str, Candidate], warmup: int = 2,
-                 target_seconds: float = TARGET_CALL_SECONDS, seed: int = 0):
+                 target_seconds: float = TARGET_CALL_SECONDS, seed: int = 0, unroll: int | None = None):
         self.runners: dict[str, tuple[Callable[[], None], int]] = {}
         self.primes: dict[str, Callable[[], None] | None] = {}
         self.samples: dict[str, list[float]] = {}
         self.warmup = warmup
         self.target_seconds = target_seconds
+        self.unroll = unroll
         self._rng = np.random.default_rng(seed)
         self._cpu = 0.0
         self._wall = 0.0
@@ -298,12 +372,11 @@ class Timer:
         for name, cand in candidates.items():
             if name in self.runners:
                 raise ValueError(f"Timer already has a candidate named {name!r}.")
-            runner = compile_loop(cand)
+            runner = compile_loop(cand, unroll=self.unroll)
             runner(1)
-            # The slowest process's estimate: every process must run the same number of calls.
-            estimate = float(_multihost.slowest([min(_time_once(lambda: runner(1)) for _ in range(3))])[0])
-            inner = int(min(MAX_INNER, max(1, math.ceil(self.target_seconds / max(estimate, 1e-7)))))
-            self.runners[name] = (functools.partial(runner, inner), inner)
+            inner = choose_inner(runner, self.target_seconds, fixed_is_work=_platform(cand) == "cpu")
+            # Calls per timed call: each iteration may run several (``compile_loop``'s unroll).
+            self.runners[name] = (functools.partial(runner, inner), inner * getattr(runner, "calls_per_iteration", 1))
             self.primes[name] = getattr(runner, "prime", None)
             self.samples[name] = []
             for _ in range(self.warmup):
