@@ -1,10 +1,13 @@
 """Latency measurement on the target: jitted, warmed up, amortized, interleaved, medians.
 
 Each candidate runs ``inner`` times inside one compiled loop, so dispatch overhead is paid once
-per timed call. Every iteration perturbs its input by ``eps * carry`` where ``eps`` is a
-runtime zero and ``carry`` depends on the previous output, and every output is carried out of
-the loop: XLA can neither hoist the work out of the loop nor drop any of it. Candidates are timed round-robin in a fresh
-random order each round, so drift (thermal, other processes) hits them alike.
+per timed call (off CPUs, where a call's launch and synchronization and a loop's iterations cost
+tens to hundreds of microseconds, a call is sized so they are a small share of it, and each
+iteration runs several calls: :func:`choose_inner`, :func:`compile_loop`). Every call perturbs
+its input by ``eps * carry`` where ``eps`` is a runtime zero and ``carry`` depends on the
+previous output, and every output is carried out of the loop: XLA can neither hoist the work out
+of the loop nor drop any of it. Candidates are timed round-robin in a fresh random order each
+round, so drift (thermal, other processes) hits them alike.
 
 With several JAX processes (``jax.distributed``) every process times the same programs in the
 same order (the rounds' order is seeded, the number of calls per timed call agreed), and each
@@ -301,16 +304,16 @@ def choose_inner(runner: Callable[[int], None], target_seconds: float = TARGET_C
     ``MAX_CALL_TARGETS`` targets).
 
     ``fixed_is_work`` (the search passes it on CPUs): the fixed cost is partly the layer's own
-    work, which XLA hoisted out of the loop because it reads only the weights (a weight reorder
-    before oneDNN's int8 dot) and which a model pays in every call. The calls are then sized from
-    one iteration alone (``target_seconds`` of it, fixed cost included), which keeps a share of
-    it: on a 2-core Xeon, ``encoder_latency``'s int8 layers sized by the slope summed to 0.56x
-    the model, sized from one iteration 1.09x (``experiments/bench_layer_sum.py``).
+    work, which reads only the weights so that XLA can hoist it out of the loop (a cast or a
+    reorder of the weights, say), and which a model pays in every call. The calls are then sized
+    from one iteration alone (``target_seconds`` of it, fixed cost included), which keeps a share
+    of it: on a 2-core Xeon, ``encoder_latency``'s int8 layers sized by the slope summed to 0.57x
+    the model, sized from one iteration 1.07x (``experiments/bench_layer_sum.py``).
 
     A call of ``n`` iterations takes about ``fixed + n * per_iteration``. Both are estimated from
-    calls of 1 iteration and of ``m`` (enough for ``target_seconds`` by the first, and at least 2), ``m`` doubled
-    while the longer call is not clearly longer (the slope between two nearly equal times is
-    noise). Sizing from one iteration alone, as the timing method "loop-carry-5" did, let the
+    calls of 1 iteration and of ``m`` (enough for ``target_seconds`` by the first, and at least
+    2), ``m`` doubled while the longer call is not clearly longer (the slope between two nearly
+    equal times is noise). Sizing from one iteration alone, as the timing method "loop-carry-5" did, let the
     fixed cost inflate short layers: on an H100 a 128-token Dense ran 5 iterations per call and was
     timed at 0.2 ms, and layers timed alone summed to 26x the model; on a 2-core Xeon a 1024 x
     1024 Dense on 1024 rows (6.3 ms of work) took 1 ms more in a call of one iteration.
