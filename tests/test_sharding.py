@@ -121,7 +121,7 @@ def test_a_sharded_layers_timing_loop_keeps_the_layer_inside_the_loop(explicit):
     with jax.set_mesh(mesh):
         sharded, xs = _shard(mesh, model, x)
         runner = timing.compile_loop(timing.Candidate(lambda m, a: m(a), (xs,), sharded.layers[0]))
-        text = runner.compiled.as_text()
+        text = runner.ready().as_text()
     assert " while(" in text and ops_outside_loops(text) == []
 
 

@@ -75,7 +75,7 @@ def test_kernel_choices_follow_the_device(model, monkeypatch):
 
 def _timed_as(seconds, cv):
     """A stand-in for timing.measure: every candidate at its given seconds and spread."""
-    def measure(todo, repeats):
+    def measure(todo, repeats, pending=()):
         return {name: search.timing.Timing(seconds[name], seconds[name], seconds[name], cv, repeats, 1) for name in todo}
     return measure
 

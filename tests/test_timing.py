@@ -43,7 +43,7 @@ def test_off_a_cpu_each_iteration_runs_several_dependent_calls(monkeypatch):
 
 def test_the_layer_runs_inside_the_loop_not_hoisted_out_of_it():
     runner = timing.compile_loop(timing.Candidate(lambda w, x: x @ w, (X,), jnp.eye(64)))
-    text = runner.compiled.as_text()
+    text = runner.ready().as_text()
     assert " while(" in text and ops_outside_loops(text) == []
     # The check itself sees a dot outside a loop.
     plain = jax.jit(lambda w, x: x @ w).lower(jnp.eye(64), X).compile().as_text()

@@ -11,6 +11,7 @@ import pytest
 
 import autopolicy.nn as nn
 from autopolicy import search, train
+from autopolicy.search import profiling
 from autopolicy.numerics import cpu_kernels
 from helpers import digits
 
@@ -127,6 +128,10 @@ def test_an_interrupted_run_resumes_without_repeating_work(trained, tmp_path, mo
     # at these shapes, a re-timed noisy layer may then change the kernel (by the 5% rule) and the
     # changed map is evaluated once more. That is the tuner working; this test is about reuse.
     monkeypatch.setattr(cpu_kernels, "AVAILABLE", False)
+    # And no cached timing is taken again for being noisy (a busy machine, or the test's other
+    # worker, made one timed in the resumed run noisy in 2 of 8 runs: re-timed in the third, its
+    # latency differed). tests/test_tactics.py tests that rule.
+    monkeypatch.setattr(profiling, "NOISY_CV", float("inf"))
     calls = []
 
     def counting(model, fail_after=None):
@@ -150,8 +155,7 @@ def test_an_interrupted_run_resumes_without_repeating_work(trained, tmp_path, mo
     assert len(calls) == 1  # only the float32 baseline: everything else came from the cache
     assert again.policy_map == resumed.policy_map
     np.testing.assert_array_equal(again.profile["latency_s"], resumed.profile["latency_s"])
-    # Every measurement of the first runs is reused; one timing may be taken once more (a noisy one,
-    # by issue 16's rule), never an evaluation (calls == 1 above).
+    # Every measurement of the first runs is reused, never an evaluation (calls == 1 above).
     cache = again.summary["cache"]
     assert cache["misses"] <= 1 and cache["hits"] >= len(cached)
     assert first_evaluations < 1 + resumed.summary["evaluations"]["total"] + 2

@@ -105,6 +105,7 @@ class EndToEnd:
 
     def _time(self, configs: Sequence[Configuration], rounds: int) -> None:
         names = {config_key(c): c for c in configs if config_key(c) not in self.failed}
+        todo = {}
         for k, config in list(names.items()):
             if self.timer is not None and k in self.timer.runners:
                 continue
@@ -112,14 +113,18 @@ class EndToEnd:
                 if config.name not in self.models:
                     raise RuntimeError(f"its model could not be built ({config.excluded or 'no model'})")
                 program = self.adapter.model_program(self.models[config.name])
-                todo = {k: timing.Candidate(program.fn, program.args, program.state, carry=self.step_carry)}
-                if self.timer is None:
-                    # A whole model's call is long next to a loop iteration's own cost: its
-                    # loop is not unrolled (eight copies of a model would multiply its compile time).
-                    self.timer = timing.Timer(todo, unroll=1)
-                else:
-                    self.timer.add(todo)
+                todo[k] = timing.Candidate(program.fn, program.args, program.state, carry=self.step_carry)
             except Exception as e:  # pylint: disable=broad-except
+                self.failed[k] = failed("compile or run", e)
+                del names[k]
+        if todo:
+            if self.timer is None:
+                # A whole model's call is long next to a loop iteration's own cost: its loop is
+                # not unrolled (eight copies of a model would multiply its compile time).
+                self.timer = timing.Timer({}, unroll=1)
+            errors: dict[str, Exception] = {}
+            self.timer.add(todo, errors=errors)  # compiled in parallel, then warmed up one by one
+            for k, e in errors.items():
                 self.failed[k] = failed("compile or run", e)
                 del names[k]
         if not names:
