@@ -418,7 +418,12 @@ class Timer:
         runners: dict[str, Callable[..., None]] = {}
         try:
             for name, cand in candidates.items():
-                runners[name] = compile_loop(cand, unroll=self.unroll)
+                try:  # traced and lowered here; a program that fails to trace fails here
+                    runners[name] = compile_loop(cand, unroll=self.unroll)
+                except Exception as e:  # pylint: disable=broad-except
+                    if errors is None:
+                        raise
+                    errors[name] = e
             for name, runner in list(runners.items()):
                 try:
                     getattr(runner, "ready", lambda: None)()
@@ -433,7 +438,7 @@ class Timer:
                 getattr(runner, "cancel", lambda: None)()
             raise
         for name, runner in runners.items():
-            try:
+            try:  # a stateful step compiles here, on its first call
                 runner(1)
                 inner = choose_inner(runner, self.target_seconds, fixed_is_work=_platform(candidates[name]) == "cpu")
             except Exception as e:  # pylint: disable=broad-except
