@@ -145,11 +145,12 @@ def layer_latency(
         todo[name] = _as_candidate(program)
     if todo:
         ref = todo.get(REFERENCE) or _as_candidate(adapter.layer_program(site.path, policies.get(REFERENCE)))
-        # Each candidate's program alone (for its output) compiles alongside the timing loops.
-        plain = {name: timing.compile_async(c.fn, c.state, *c.inputs) for name, c in todo.items()}
-        if REFERENCE not in plain:
-            plain[REFERENCE] = timing.compile_async(ref.fn, ref.state, *ref.inputs)
+        plain = {}  # each candidate's program alone (for its output), compiled beside the timing loops
         try:
+            for name, c in todo.items():
+                plain[name] = timing.compile_async(c.fn, c.state, *c.inputs)
+            if REFERENCE not in plain:
+                plain[REFERENCE] = timing.compile_async(ref.fn, ref.state, *ref.inputs)
             timings = timing.measure(todo, repeats=repeats, pending=list(plain.values()))
         except BaseException:
             for future in plain.values():
