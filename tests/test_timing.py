@@ -6,7 +6,7 @@ import pytest
 
 from autopolicy.search import timing
 
-from helpers import ops_outside_loops
+from helpers import ops_outside_loops, tiny_two_layer
 
 X = jax.random.normal(jax.random.key(0), (64, 64))
 
@@ -39,6 +39,26 @@ def test_off_a_cpu_each_iteration_runs_several_dependent_calls(monkeypatch):
     assert runner.calls_per_iteration == timing.UNROLL == 8 and len(calls) == 24
     timer = timing.Timer({"a": _counting_candidate([])}, warmup=1)
     assert timer.runners["a"][1] % 8 == 0  # calls per timed call, by which each sample is divided
+
+
+def test_a_tune_with_a_gpus_timing_rules_unrolls_layers_but_not_models(monkeypatch, tmp_path):
+    from autopolicy import search  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(timing, "_platform", lambda candidate: "gpu")
+    unrolls, real = [], timing.compile_loop
+
+    def recording(candidate, inner=None, unroll=None):
+        runner = real(candidate, inner, unroll)
+        unrolls.append(runner.calls_per_iteration)
+        return runner
+
+    monkeypatch.setattr(timing, "compile_loop", recording)
+    model, fidelity, x = tiny_two_layer()
+    result = search.tune(model, fidelity, x, candidates=["float32", "int8_from_float32"], max_drop=0.5,
+                         relative=False, repeats=3, progress=False, cache_dir=str(tmp_path))
+    assert all(inner % timing.UNROLL == 0 for inner in result.profile["inner"])  # calls per timed call
+    assert set(unrolls) == {1, timing.UNROLL}  # the end-to-end models: one call an iteration
+    assert result.summary["float32"]["measured_latency_s"] > 0
 
 
 def test_the_layer_runs_inside_the_loop_not_hoisted_out_of_it():
