@@ -347,10 +347,11 @@ def choose_inner(runner: Callable[[int], None], target_seconds: float = TARGET_C
     A call of ``n`` iterations takes about ``fixed + n * per_iteration``. Both are estimated from
     calls of 1 iteration and of ``m`` (enough for ``target_seconds`` by the first, and at least
     2), ``m`` doubled while the longer call is not clearly longer (the slope between two nearly
-    equal times is noise). Sizing from one iteration alone, as the timing method "loop-carry-5" did, let the
-    fixed cost inflate short layers: on an H100 a 128-token Dense ran 5 iterations per call and was
-    timed at 0.2 ms, and layers timed alone summed to 26x the model; on a 2-core Xeon a 1024 x
-    1024 Dense on 1024 rows (6.3 ms of work) took 1 ms more in a call of one iteration.
+    equal times is noise). Sizing from one iteration alone, as the timing method "loop-carry-5"
+    did everywhere, let the fixed cost inflate short layers: on an H100 a 128-token Dense ran 5
+    iterations per call and was timed at 0.2 ms, and layers timed alone summed to 26x the model;
+    on a 2-core Xeon a 1024 x 1024 Dense on 1024 rows (6.3 ms of work) took 1 ms more in a call
+    of one iteration.
     """
     one = _fastest_of_3(runner, 1)
     if fixed_is_work:
