@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     exp = importlib.import_module(args.experiment).build(args.cache_dir)
-    adapter = get_adapter(exp.model, (exp.sample_input,), [(c,) for c in exp.calibration_inputs])
+    sample = exp.sample_input if isinstance(exp.sample_input, tuple) else (exp.sample_input,)
+    calibration = [c if isinstance(c, tuple) else (c,) for c in exp.calibration_inputs]
+    adapter = get_adapter(exp.model, sample, calibration)
     layers = adapter.layers()
     distinct: dict[str, list] = {}
     for layer in layers:
@@ -149,9 +151,9 @@ def _write(args, argv, rows, start, done):
         f"`{shlex.join(['python', 'experiments/bench_layer_sum.py'] + args_given)}` "
         f"({time.perf_counter() - start:.0f} s).",
         "",
-        "Each row is one interleaved `timing.measure` run (median of "
-        f"{args.repeats} rounds) of the whole model and of each distinct layer under one uniform "
-        "policy. *sum / model*: the layers' isolated medians summed over the model's "
+        "Each policy's rows come from one interleaved run (`timing.Timer`, median of "
+        f"{args.repeats} rounds) of the whole model and of each distinct layer under that uniform "
+        "policy, under every rule and unroll. *sum / model*: the layers' isolated medians summed over the model's "
         "layers, over the model's median (1.00 = the isolated timings add up). *less loop*: the same "
         "after taking the empty loop's per-iteration cost off each layer call.",
         "",
