@@ -76,7 +76,7 @@ class LayerTiming:
     latency_p75_s: float
     latency_cv: float
     repeats: int
-    inner: int
+    inner: int  # calls per timed call
     finite: bool  # its output on the real input is free of inf/NaN
     nbytes: int
     kernel: str = ""  # the kernel (tactic) it runs, where its mode names one

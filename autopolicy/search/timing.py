@@ -58,7 +58,7 @@ class Timing:
     p75: float
     cv: float
     repeats: int
-    inner: int
+    inner: int  # calls per timed call (loop iterations times the calls each runs)
     samples: tuple[float, ...] = ()  # per-call seconds of each round, in round order
 
     def as_dict(self, prefix: str = "") -> dict[str, Any]:
