@@ -247,6 +247,37 @@ inline int32_t offset_start(uint32_t offset, int32_t sum) {
   return static_cast<int32_t>(0u - offset * static_cast<uint32_t>(sum));
 }
 
+// Rows [0, rows) and columns [0, cols) copied between a tile (NR int32 a row) and a strided
+// buffer; the tile's other cells are zeroed when it is filled (a partial tile at an edge).
+template <int64_t NR>
+inline void fill_tile(int32_t* tile, const int32_t* src, int64_t ld, int64_t rows, int64_t cols, int64_t mr) {
+  std::memset(tile, 0, static_cast<size_t>(mr * NR) * sizeof(int32_t));
+  for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(tile + rr * NR, src + rr * ld, cols * sizeof(int32_t));
+}
+
+template <int64_t NR>
+inline void spill_tile(int32_t* dst, int64_t ld, const int32_t* tile, int64_t rows, int64_t cols) {
+  for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(dst + rr * ld, tile + rr * NR, cols * sizeof(int32_t));
+}
+
+// The drivers' loop nest: chunks of `depth` K groups (each packed once by pack(g0, g1)), strips
+// of NR columns of [n0, n1), tiles of MR rows of [r0, min(r1, m)); body(g0, g1, strip, c, cols,
+// r, rows) runs one tile of one chunk.
+template <class Tile, class Pack, class Body>
+inline void over_tiles(int64_t groups, int64_t depth, int64_t m, int64_t r0, int64_t r1, int64_t n0, int64_t n1,
+                       const uint8_t* panel, Pack pack, Body body) {
+  constexpr int64_t MR = Tile::MR, NR = Tile::NR;
+  for (int64_t g0 = 0; g0 < groups; g0 += depth) {
+    const int64_t g1 = std::min(groups, g0 + depth), chunk = g1 - g0;
+    pack(g0, g1);
+    for (int64_t c = n0; c < n1; c += NR) {
+      const uint8_t* strip = panel + ((c - n0) / NR) * chunk * NR * 4;
+      const int64_t cols = std::min(NR, n1 - c);
+      for (int64_t r = r0; r < r1; r += MR) body(g0, g1, strip, c, cols, r, std::min(MR, std::min(m, r1) - r));
+    }
+  }
+}
+
 template <class Tile>
 void int8_gemm_tiles(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
                      int64_t n0, int64_t n1, int32_t* acc) {
@@ -259,43 +290,35 @@ void int8_gemm_tiles(const int32_t* a, int64_t m, int64_t k, const int8_t* w, in
   uint8_t* b = panel.data();
   alignas(64) int32_t tile[MR * NR];
   int32_t start[MR] = {};
-  for (int64_t g0 = 0; g0 < groups; g0 += depth) {
-    const int64_t g1 = std::min(groups, g0 + depth), chunk = g1 - g0;
-    Tile::pack8(w, k, n, g0, g1, n0, n1, b);
-    for (int64_t c = n0; c < n1; c += NR) {
-      const uint8_t* strip = b + ((c - n0) / NR) * chunk * NR * 4;
-      const int64_t cols = std::min(NR, n1 - c);
-      for (int64_t r = r0; r < r1; r += MR) {
-        const int64_t rows = std::min(MR, std::min(m, r1) - r);
-        const bool whole = rows == MR && cols == NR;
-        const int32_t* ap = a + (r / MR) * groups * MR + g0 * MR;
-        int32_t* out = acc + r * n + c;
-        int32_t* dst = whole ? out : tile;
-        const int64_t ldd = whole ? n : NR;
-        if (Tile::kPrefetchSums && g0 > 0 && r + MR < r1) {  // the next tile's sums, from L3 while this one runs
-          for (int64_t rr = 0; rr < MR; ++rr) {
-            const char* next = reinterpret_cast<const char*>(out + (MR + rr) * n);
-            _mm_prefetch(next, _MM_HINT_T0);
-            _mm_prefetch(next + 64, _MM_HINT_T0);
-            _mm_prefetch(next + 4 * NR - 1, _MM_HINT_T0);
-          }
-        }
-        if (g0 == 0) {
-          if (Tile::kOffset8 != 0)
-            for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(Tile::kOffset8, sums[r + rr]);
-          Tile::micro(ap, strip, chunk, nullptr, 0, start, dst, ldd);
-        } else if (whole) {
-          Tile::micro(ap, strip, chunk, out, n, nullptr, out, n);
-        } else {
-          std::memset(tile, 0, sizeof tile);
-          for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(tile + rr * NR, out + rr * n, cols * sizeof(int32_t));
-          Tile::micro(ap, strip, chunk, tile, NR, nullptr, tile, NR);
-        }
-        if (!whole)
-          for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(out + rr * n, tile + rr * NR, cols * sizeof(int32_t));
+  auto pack = [&](int64_t g0, int64_t g1) { Tile::pack8(w, k, n, g0, g1, n0, n1, b); };
+  over_tiles<Tile>(groups, depth, m, r0, r1, n0, n1, b, pack, [&](int64_t g0, int64_t g1, const uint8_t* strip,
+                                                                   int64_t c, int64_t cols, int64_t r, int64_t rows) {
+    const int64_t chunk = g1 - g0;
+    const bool whole = rows == MR && cols == NR;
+    const int32_t* ap = a + (r / MR) * groups * MR + g0 * MR;
+    int32_t* out = acc + r * n + c;
+    int32_t* dst = whole ? out : tile;
+    const int64_t ldd = whole ? n : NR;
+    if (Tile::kPrefetchSums && g0 > 0 && r + MR < r1) {  // the next tile's sums, from L3 while this one runs
+      for (int64_t rr = 0; rr < MR; ++rr) {
+        const char* next = reinterpret_cast<const char*>(out + (MR + rr) * n);
+        _mm_prefetch(next, _MM_HINT_T0);
+        _mm_prefetch(next + 64, _MM_HINT_T0);
+        _mm_prefetch(next + 4 * NR - 1, _MM_HINT_T0);
       }
     }
-  }
+    if (g0 == 0) {
+      if (Tile::kOffset8 != 0)
+        for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(Tile::kOffset8, sums[r + rr]);
+      Tile::micro(ap, strip, chunk, nullptr, 0, start, dst, ldd);
+    } else if (whole) {
+      Tile::micro(ap, strip, chunk, out, n, start, out, n);  // start unread (init given)
+    } else {
+      fill_tile<NR>(tile, out, n, rows, cols, MR);
+      Tile::micro(ap, strip, chunk, tile, NR, start, tile, NR);
+    }
+    if (!whole) spill_tile<NR>(out, n, tile, rows, cols);
+  });
 }
 
 // int4: a chunk holds whole blocks where blocks are short (each tile then runs its blocks one
@@ -324,42 +347,34 @@ void int4_gemm_tiles(const int32_t* a, int64_t m, int64_t k, const uint8_t* w, i
   }
   alignas(64) int32_t tile[MR * NR];
   int32_t start[MR] = {};
-  for (int64_t g0 = 0; g0 < groups; g0 += depth) {
-    const int64_t g1 = std::min(groups, g0 + depth), chunk = g1 - g0;
-    Tile::pack4(w, k, n, g0, g1, n0, n1, b);
-    for (int64_t c = n0; c < n1; c += NR) {
-      const uint8_t* strip = b + ((c - n0) / NR) * chunk * NR * 4;
-      const int64_t cols = std::min(NR, n1 - c);
-      for (int64_t r = r0; r < r1; r += MR) {
-        const int64_t rows = std::min(MR, std::min(m, r1) - r);
-        const int32_t* ap = a + (r / MR) * groups * MR;
-        int32_t* keep = scratch == nullptr ? nullptr : scratch + (r - r0) * width + (c - n0);
-        for (int64_t q = g0; q < g1;) {
-          const int64_t blk = q / block_groups, b0 = blk * block_groups, b1 = std::min(groups, b0 + block_groups);
-          const int64_t qe = std::min(g1, b1);
-          const int32_t* aq = ap + q * MR;
-          const uint8_t* bq = strip + (q - g0) * NR * 4;
-          if (q == b0) {
-            if (Tile::kOffset4 != 0)
-              for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(Tile::kOffset4, sums[blk * padded + r + rr]);
-            Tile::micro(aq, bq, qe - q, nullptr, 0, start, tile, NR);
-          } else if (rows == MR && cols == NR) {
-            Tile::micro(aq, bq, qe - q, keep, width, nullptr, tile, NR);
-          } else {  // the scratch holds only this task's rows and columns
-            std::memset(tile, 0, sizeof tile);
-            for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(tile + rr * NR, keep + rr * width, cols * sizeof(int32_t));
-            Tile::micro(aq, bq, qe - q, tile, NR, nullptr, tile, NR);
-          }
-          if (qe == b1) {
-            Tile::scale_tile(tile, rows, cols, scale + blk * n + c, blk == 0, out + r * n + c, n);
-          } else {
-            for (int64_t rr = 0; rr < rows; ++rr) std::memcpy(keep + rr * width, tile + rr * NR, cols * sizeof(int32_t));
-          }
-          q = qe;
-        }
+  auto pack = [&](int64_t g0, int64_t g1) { Tile::pack4(w, k, n, g0, g1, n0, n1, b); };
+  over_tiles<Tile>(groups, depth, m, r0, r1, n0, n1, b, pack, [&](int64_t g0, int64_t g1, const uint8_t* strip,
+                                                                   int64_t c, int64_t cols, int64_t r, int64_t rows) {
+    const int32_t* ap = a + (r / MR) * groups * MR;
+    int32_t* keep = scratch == nullptr ? nullptr : scratch + (r - r0) * width + (c - n0);
+    for (int64_t q = g0; q < g1;) {
+      const int64_t blk = q / block_groups, b0 = blk * block_groups, b1 = std::min(groups, b0 + block_groups);
+      const int64_t qe = std::min(g1, b1);
+      const int32_t* aq = ap + q * MR;
+      const uint8_t* bq = strip + (q - g0) * NR * 4;
+      if (q == b0) {
+        if (Tile::kOffset4 != 0)
+          for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(Tile::kOffset4, sums[blk * padded + r + rr]);
+        Tile::micro(aq, bq, qe - q, nullptr, 0, start, tile, NR);
+      } else if (rows == MR && cols == NR) {
+        Tile::micro(aq, bq, qe - q, keep, width, start, tile, NR);  // start unread (init given)
+      } else {  // the scratch holds only this task's rows and columns
+        fill_tile<NR>(tile, keep, width, rows, cols, MR);
+        Tile::micro(aq, bq, qe - q, tile, NR, start, tile, NR);
       }
+      if (qe == b1) {
+        Tile::scale_tile(tile, rows, cols, scale + blk * n + c, blk == 0, out + r * n + c, n);
+      } else {
+        spill_tile<NR>(keep, width, tile, rows, cols);
+      }
+      q = qe;
     }
-  }
+  });
 }
 
 }  // namespace
