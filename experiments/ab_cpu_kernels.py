@@ -18,7 +18,8 @@ Outputs must be equal (int8, int4 per channel) bit for bit.
 
 With ``--weight-only`` it times the GPTQ/AWQ kernel (``cpu_weight_only.weight_only_matmul``)
 of both builds instead, kernel alone, for 8 and 4 bits per channel, 4 bits in groups of 32 and
-128, and 8 bits in groups of 128 (outputs within 1e-5 of the largest).
+128, and 8 bits in groups of 128 (outputs within 1e-5 of the largest); with ``--layers`` as well,
+in chains that stream their weights from memory, beside float32 XLA.
 
 Build the other library from a commit, for instance::
 
@@ -142,6 +143,59 @@ def compare_weight_only(k: int, n: int, m: int, rounds: int, seed: int = 0) -> s
     return f"{k}x{n} batch {m}: " + " | ".join(_old_new(name, times, nbytes) for name, nbytes in kinds.items())
 
 
+def compare_weight_only_layers(k: int, n: int, m: int, rounds: int, chain: int, seed: int = 0,
+                               budget: float = 64e6) -> str:
+    """The weight-only kernels of both builds (and float32 XLA) as a decoder meets them: each in a
+    jitted chain of dependent calls cycling through its own copies of the weights, about
+    ``budget`` bytes of them, so they stream from memory rather than the L3 cache."""
+    from autopolicy.numerics import cpu_weight_only, weight_only
+
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    f32_copies = max(1, min(chain, int(budget // (4 * k * n))))
+    fns = {"f32": (_chain(lambda x, w: x @ w, chain),
+                   (x, [(jnp.asarray(rng.standard_normal((k, n)).astype(np.float32)),) for _ in range(f32_copies)]))}
+    kinds = {}
+    for bits, group in ((8, k), (4, k), (4, 32), (8, 128)):
+        groups = -(-k // group)
+        name = f"{bits}-bit/{'channel' if group == k else group}"
+        kinds[name] = n * k * bits // 8
+        weights = []
+        for _ in range(max(1, min(chain, int(budget // kinds[name])))):
+            q = jnp.asarray(rng.integers(0, 2**bits, (n, k)))
+            weights.append((weight_only.pack(q, bits) if bits == 4 else q.astype(jnp.uint8),
+                            jnp.asarray(rng.uniform(0.01, 0.2, (n, groups)).astype(np.float32)),
+                            jnp.asarray(rng.integers(0, 2**bits, (n, groups)).astype(np.uint8)),
+                            jnp.asarray(weight_only.group_index(k, group))))
+
+        def old(x_, q_, s_, z_, g_, bits=bits, group=group):
+            return jax.ffi.ffi_call("ab_old_weight_only", jax.ShapeDtypeStruct((m, n), jnp.float32))(
+                x_, q_, s_, z_, g_, bits=np.int64(bits), group=np.int64(group))
+
+        def new(x_, q_, s_, z_, g_, bits=bits, group=group):
+            return cpu_weight_only.weight_only_matmul(x_, q_, s_, z_, bits, group, g_)
+
+        fns[f"{name} old"] = (_chain(old, chain), (x, weights))
+        fns[f"{name} new"] = (_chain(new, chain), (x, weights))
+        a, b = (np.asarray(fns[f"{name} {v}"][0](*fns[f"{name} {v}"][1])) for v in ("old", "new"))
+        assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(a)), name
+    reps = max(1, min(20, int(2e7 / (m * k * n * chain))))
+    runs = {name: _timer(fn, args, reps) for name, (fn, args) in fns.items()}
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for i in rng.permutation(len(runs)):
+            name = list(runs)[i]
+            times[name].append(runs[name]() / chain)
+    med = {name: np.median(t) for name, t in times.items()}
+    cells = [f"f32 {med['f32'] * 1e6:.0f} us"]
+    for name, nbytes in kinds.items():
+        o, w = np.array(times[f"{name} old"]), np.array(times[f"{name} new"])
+        cells.append(f"{name}: {np.median(o) * 1e6:.0f} -> {np.median(w) * 1e6:.0f} us ({nbytes / np.median(w) / 1e9:.1f} "
+                     f"GB/s), new/old {np.median(o / w):.2f}x [{np.percentile(o / w, 25):.2f}-"
+                     f"{np.percentile(o / w, 75):.2f}], vs f32 {med['f32'] / np.median(w):.2f}x")
+    return f"{k}x{n} batch {m} (per layer, streamed): " + " | ".join(cells)
+
+
 def _chain(layer, length):
     """``length`` dependent calls of ``layer(x, *weights[i % len(weights)])``: the next x is x plus
     a tiny multiple of the output's first column (so every call waits for the one before, as
@@ -226,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes:
         k, n = (int(v) for v in shape.lower().split("x"))
         for m in args.batches:
-            if args.weight_only:
+            if args.weight_only and args.layers:
+                print(compare_weight_only_layers(k, n, m, args.rounds, args.chain), flush=True)
+            elif args.weight_only:
                 print(compare_weight_only(k, n, m, args.rounds), flush=True)
             elif args.layers:
                 print(compare_layers(k, n, m, args.rounds, args.chain), flush=True)

@@ -112,7 +112,8 @@ def test_the_kernel_matches_xla_on_random_weights(path, rows, k, n, bits, group_
 @pytest.mark.parametrize("bits,k", [(4, 2048), (8, 1024)])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_products_large_enough_to_share_out_over_threads_match_xla(bits, k, rows):
-    # Over 1 MB of weights (ffi_weight_only.cc's kThreadedMinBytes): split in parts of 64 rows.
+    # Over 1 MB of weights (ffi_weight_only.cc's kThreadedMinBytes): split in runs of rows (64 a
+    # part from two rows of x; one row of x: about four runs a thread, multiples of 64 rows).
     weights, q, zero, scale = _weights(1030, k, bits, 128, seed=rows + bits, awq=True)
     assert weights["kernel"].size >= 1024 * 1024
     _assert_close_to_xla(_inputs(rows, k, seed=7 + rows), weights, q, zero, scale, bits, 128)

@@ -103,15 +103,21 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       weight_only_any_groups(a, groups_of, n0, n1);
     }
   };
-  const int64_t parts = (n + kRowsPerTask - 1) / kRowsPerTask;
-  const int64_t threads = std::min<int64_t>(parts, std::max<int64_t>(1, pool.num_threads()));
+  // One row of x streams the weights front to back (weight_only_avx2.cc): a task is then a long
+  // run of rows (about four a thread), so each thread's stream is rarely broken; more rows of x
+  // reuse each task's weights from the caches, and short tasks balance the threads better.
+  const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_task = m == 1 ? std::max<int64_t>(kRowsPerTask, (n / (4 * pool_threads)) / kRowsPerTask * kRowsPerTask)
+                                  : kRowsPerTask;
+  const int64_t parts = (n + per_task - 1) / per_task;
+  const int64_t threads = std::min<int64_t>(parts, pool_threads);
   // Small calls stay on the calling thread (serial_max_bytes(), shared with the integer kernels).
   if (m * rows * k <= serial_max_bytes() || threads <= 1) {
     kernel(args, 0, n);
     return ffi::Error::Success();
   }
-  share_parts(pool, parts, threads, [args, kernel, n](int64_t p) {
-    kernel(args, p * kRowsPerTask, std::min(n, (p + 1) * kRowsPerTask));
+  share_parts(pool, parts, threads, [args, kernel, n, per_task](int64_t p) {
+    kernel(args, p * per_task, std::min(n, (p + 1) * per_task));
   });
   return ffi::Error::Success();
 }

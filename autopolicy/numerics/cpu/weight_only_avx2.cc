@@ -1,14 +1,13 @@
-// The AVX2 + FMA weight-only product (weight_only.h). Pairs of output rows (the two halves of a
-// packed byte row, or two byte rows), four rows a pass at one row of x: eight values are zero-extended to 32-bit lanes
-// (vpmovzxbd; 4-bit: the low nibbles masked, the high ones shifted down), converted to float
-// (vcvtdq2ps) and multiplied into per-group sums with vfmadd, each loaded chunk of x shared by
-// both rows and each converted chunk of weights by up to four rows of x. A group's sums are
-// scaled once at its end; the zero points' term is one dot product over the groups per row.
-// One row of x leaves the FMA latency exposed: four output rows a pass give four independent
-// sums (measured on Zen 3, one thread, groups of 32: 0.056 vs 0.068 ms at 576 x 1536 against
-// two rows with two sets of sums; 1.09 vs 1.12 ms at 4096 x 4096; with one set of two rows,
-// 1.31 ms per channel where two sets took 0.77). From two rows of x, one pair and one set: more
-// sets spill registers (2x slower).
+// The AVX2 + FMA weight-only product (weight_only.h). Eight values at a time are zero-extended to
+// 32-bit lanes (vpmovzxbd; 4-bit: the low nibbles masked, the high ones shifted down), converted
+// to float (vcvtdq2ps) and multiplied into per-group sums with vfmadd. A group's sums are scaled
+// once at its end; the zero points' term is one dot product over the groups per row.
+// - One row of x (decoding): the byte rows one after another, each a single sequential stream
+//   (stream_rows; see kStreamAhead for the figures).
+// - More rows of x: pairs of output rows (the two halves of a packed byte row, or two byte rows),
+//   up to four rows of x a pass, each loaded chunk of x shared by both rows and each converted
+//   chunk of weights by the rows of x; from two rows of x, one pair and one set of sums (more
+//   sets spill registers: 2x slower).
 //
 // Everything before the target pragma is compiled for the baseline ISA.
 #include <algorithm>
@@ -131,10 +130,76 @@ void row_block(const WeightOnlyArgs& a, int64_t m0, int64_t row, int64_t count) 
   }
 }
 
+// One row of x: the stored rows one after another, front to back, so a thread reads one
+// sequential stream (a byte row: one output row, or the two of a packed pair), prefetched
+// kStreamAhead bytes on; four sets of sums per output row hide the FMA latency. This replaced
+// four output rows a pass (four streams k bytes apart, x loaded once for them), which read the
+// weights at half the memory's rate: on a 2-core EPYC (Zen 3, AVX2), weights streamed from
+// memory, both threads, 576 x 49152 at 8 bits per channel: 3.29 -> 1.77 ms (16.0 GB/s; float32
+// XLA 5.6 ms), 576 x 1536: 1.65x, 1536 x 576: 1.42x, 576 x 576 and 576 x 192: 1.0-1.25x
+// (experiments/ab_cpu_kernels.py --weight-only --layers). One thread, 576 x 49152 from memory:
+// four streams 4.0-5.0 GB/s, one stream 8.0 GB/s, prefetched 4 KB on 10.7-12.8 GB/s.
+constexpr int64_t kStreamAhead = 4096;
+
+template <bool kPacked>
+void stream_rows(const WeightOnlyArgs& a, int64_t n0, int64_t n1) {
+  constexpr int R = kPacked ? 2 : 1;  // output rows per byte row
+  const int64_t k = a.k, groups = (k + a.group - 1) / a.group;
+  const float* x = a.x;
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int64_t row = n0; row < n1; row += R) {
+    const int64_t count = std::min<int64_t>(R, n1 - row);
+    const uint8_t* src = a.q + (kPacked ? row / 2 : row) * k;
+    const float* scale[R];
+    for (int j = 0; j < R; ++j) scale[j] = a.scale + (row + std::min<int64_t>(j, count - 1)) * groups;
+    __m256 acc[R];
+    float rest[R];
+    for (int j = 0; j < R; ++j) {
+      acc[j] = _mm256_setzero_ps();
+      rest[j] = 0.0f;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k0 = g * a.group, k1 = std::min(k, k0 + a.group);
+      __m256 t[4][R];
+      for (int s = 0; s < 4; ++s)
+        for (int j = 0; j < R; ++j) t[s][j] = _mm256_setzero_ps();
+      auto step = [&](__m256 (&sums)[R], int64_t i) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        const __m256i v = widen8(src + i);
+        if (kPacked) {
+          sums[0] = _mm256_fmadd_ps(xv, _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), sums[0]);
+          sums[R - 1] = _mm256_fmadd_ps(xv, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sums[R - 1]);
+        } else {
+          sums[0] = _mm256_fmadd_ps(xv, _mm256_cvtepi32_ps(v), sums[0]);
+        }
+      };
+      int64_t i = k0;
+      for (; i + 32 <= k1; i += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(src + i + kStreamAhead), _MM_HINT_T0);
+        for (int s = 0; s < 4; ++s) step(t[s], i + 8 * s);
+      }
+      for (; i + 8 <= k1; i += 8) step(t[0], i);  // t[0] only: a run-time index would keep t in memory
+      if (i < k1) {  // a group not a multiple of 8 long
+        float tail[R] = {};
+        for (; i < k1; ++i)
+          for (int j = 0; j < R; ++j)
+            tail[j] += x[i] * static_cast<float>(kPacked ? (j == 0 ? src[i] & 0x0F : src[i] >> 4) : src[i]);
+        for (int j = 0; j < R; ++j) rest[j] += scale[j][g] * tail[j];
+      }
+      for (int j = 0; j < R; ++j) {
+        const __m256 u = _mm256_add_ps(_mm256_add_ps(t[0][j], t[1][j]), _mm256_add_ps(t[2][j], t[3][j]));
+        acc[j] = _mm256_fmadd_ps(u, _mm256_set1_ps(scale[j][g]), acc[j]);
+      }
+    }
+    for (int j = 0; j < count; ++j)
+      a.out[row + j] = hsum(acc[j]) + rest[j] - zero_term(scale[j], a.zero + (row + j) * groups, a.xsum, groups);
+  }
+}
+
 template <bool kPacked>
 void run(const WeightOnlyArgs& a, int64_t n0, int64_t n1) {
-  if (a.m == 1) {  // four output rows a pass: four independent sums, x loaded once for them
-    for (int64_t row = n0; row < n1; row += 4) row_block<1, 1, 2, kPacked>(a, 0, row, std::min<int64_t>(4, n1 - row));
+  if (a.m == 1) {
+    stream_rows<kPacked>(a, n0, n1);
     return;
   }
   for (int64_t row = n0; row < n1; row += 2) {
