@@ -579,3 +579,18 @@ def test_decode_attention_names_bad_operands():
         cpu_kernels.decode_attention(q[0], k, v, pos)
     with pytest.raises(Exception, match=r"the position 16 is outside the cache \[0, 16\)"):
         jax.block_until_ready(jax.jit(cpu_kernels.decode_attention)(q, k, v, jnp.asarray(16, jnp.int32)))
+
+
+@needs_kernels
+def test_the_tuners_fingerprint_names_the_kernel_path_and_build(path_restored):
+    # Cached timings of one build's kernels, or of another path, are not this one's.
+    from autopolicy.search import hardware
+
+    info = hardware.detect()
+    assert info["cpu_kernels"] == {"path": cpu_kernels.path(), "build": cpu_kernels.build_id()}
+    assert len(info["cpu_kernels"]["build"]) == 16
+    other_build = dict(info, cpu_kernels=dict(info["cpu_kernels"], build="0" * 16))
+    assert hardware.fingerprint(other_build) != hardware.fingerprint(info)
+    cpu_kernels.set_path("portable")
+    assert hardware.detect()["cpu_kernels"]["path"] == "portable"
+    assert hardware.fingerprint() != hardware.fingerprint(info)

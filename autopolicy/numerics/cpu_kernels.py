@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import logging
 import os
 
@@ -56,6 +57,22 @@ def library_path() -> str | None:
     here = os.path.join(os.path.dirname(__file__), "cpu")
     found = sorted(glob.glob(os.path.join(here, "_autopolicy_cpu*.so")))
     return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=None)
+def _build_digest(file: str, size: int, mtime_ns: int) -> str:  # pylint: disable=unused-argument
+    with open(file, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def build_id() -> str | None:
+    """A short hash of the built library's bytes (None without one): measurements of one build's
+    kernels are not another's, so the tuner's cache keys carry it (``hardware.fingerprint``)."""
+    file = library_path()
+    if file is None:
+        return None
+    stat = os.stat(file)
+    return _build_digest(file, stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=None)

@@ -88,6 +88,13 @@ def detect() -> dict[str, Any]:
         "autopolicy": __version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+    if device.platform == "cpu":
+        from autopolicy.numerics import cpu_kernels  # pylint: disable=import-outside-toplevel
+
+        # Which C++ kernels run (the path in use, AUTOPOLICY_CPU_PATH included) and which build of
+        # them: timings of another build or path are not this one's.
+        info["cpu_kernels"] = ({"path": cpu_kernels.path(), "build": cpu_kernels.build_id()}
+                               if cpu_kernels.AVAILABLE else None)
     capability = getattr(device, "compute_capability", None)
     if capability is not None:
         info["compute_capability"] = str(capability)
@@ -100,6 +107,8 @@ def fingerprint(info: dict[str, Any] | None = None) -> str:
     relevant = {k: info.get(k) for k in ("platform", "device_kind", "device_count", "jax", "jaxlib",
                                          "compute_capability", "xla_flags")}
     relevant["cpu"] = {k: info["cpu"][k] for k in ("model", "features", "cores")}
+    if info.get("cpu_kernels") is not None:  # absent from the records of older versions
+        relevant["cpu_kernels"] = info["cpu_kernels"]
     if info.get("process_count", 1) > 1:  # multi-controller: the processes are part of the machine
         relevant["process_count"] = info["process_count"]
     digest = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode("utf-8")).hexdigest()
