@@ -38,7 +38,7 @@ import autopolicy as ap  # noqa: E402
 from autopolicy import _atomic, nn  # noqa: E402
 from autopolicy.nn import _base, generation  # noqa: E402
 from autopolicy.numerics import cpu_kernels  # noqa: E402
-from autopolicy.search import hardware  # noqa: E402
+from autopolicy.search import confidence, hardware  # noqa: E402
 
 UNIFORM = ("mixed_bfloat16", "int8_from_float32", "int4_from_float32", "int4/128_from_float32",
            "int4/32_from_float32", "gptq/8/-1_from_float32", "gptq/4/32_from_float32")
@@ -229,8 +229,10 @@ def main(argv=None) -> None:
     for name, s in timings.items():
         q1, med, q3 = np.percentile(s, [25, 50, 75])
         r1, rm, r3 = np.percentile(base / s, [25, 50, 75])
+        ci = confidence.paired_speedup(base, s)  # the tuner's rule: a seeded bootstrap of that median
         rows[name].update(ms=med * 1e3, ms_q1=q1 * 1e3, ms_q3=q3 * 1e3, tokens_s=1 / med,
-                          speedup=rm, speedup_q1=r1, speedup_q3=r3)
+                          speedup=rm, speedup_q1=r1, speedup_q3=r3, speedup_ci=(ci.low, ci.high),
+                          step_s=[float(v) for v in s])
     texts = {}
     shown = ["float32"] + [n for n in ("tuned", "Q4_K_M-style") if n in models][:1]
     for name in shown:
@@ -259,22 +261,24 @@ def main(argv=None) -> None:
         f"(`pydoc_data.topics`, the tune's `test_fn`). Decode: one step at batch 1, cache {smollm2.CACHE}, "
         f"{args.reps} interleaved rounds of {args.inner} steps, each after 3 untimed steps of the same model (steady-state decoding: "
         "the model timed before leaves its own weights in the caches); speed-up = median of per-round float32/config "
-        "ratios [quartiles]. Weight bytes: every array of the model in its stored dtype (the tied "
+        "ratios [quartiles] (95% interval: a seeded percentile bootstrap of that median, as the tuner decides). Weight bytes: every array of the model in its stored dtype (the tied "
         "embedding and head are separate copies). Quantized layers run `cpu_ffi` (autopolicy's C++ "
         "kernels) where offered; tuned maps run the kernels their tune chose.", "",
         "The checkpoint is llama.cpp's Q4_1 (4 bits in blocks of 32 with a minimum), dequantized to "
         "float32 as the reference: a 4-bit format on the same grid reproduces it almost exactly, so the "
         "informative rows are the formats that do not align with it (per-channel int4, int4 in blocks of "
         "128, int8 activations).", "",
-        "| configuration | perplexity | vs float32 | weight MB | % of float32 | ms / step | tokens/s | speed-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "| configuration | perplexity | vs float32 | weight MB | % of float32 | ms / step | tokens/s | speed-up "
+        "| 95% interval |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         lines.append(
             f"| {name} | {r['perplexity']:.3f} | {100 * (r['perplexity'] / f32['perplexity'] - 1):+.2f}% | "
             f"{r['nbytes'] / 1e6:.1f} | {100 * r['nbytes'] / f32['nbytes']:.0f}% | {r['ms']:.2f} "
             f"[{r['ms_q1']:.2f}, {r['ms_q3']:.2f}] | {r['tokens_s']:.1f} | "
-            f"{r['speedup']:.2f}x [{r['speedup_q1']:.2f}, {r['speedup_q3']:.2f}] |")
+            f"{r['speedup']:.2f}x [{r['speedup_q1']:.2f}, {r['speedup_q3']:.2f}] | "
+            f"[{r['speedup_ci'][0]:.2f}, {r['speedup_ci'][1]:.2f}] |")
     lines += ["", "The Q4_K_M-style map: llama.cpp's Q4_K_M gives 6 bits to the attention value and "
               "feed-forward down projections of the first and last eighth of the blocks and every third "
               "block between, and to the output head, 4 bits (Q4_K: blocks of 32) to the rest. Here 6 bits "

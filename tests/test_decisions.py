@@ -434,14 +434,49 @@ def test_final_rounds_are_taken_in_steps_until_settled_and_cached(tmp_path):
         e2e.rounds += [{config_key(c): 1.0 for c in todo} for _ in range(rounds)]
 
     e2e._time = fake_time
-    looks = iter([False, True])
+    looks = iter([configs, []])
     group = e2e.time_until(configs, 40, 10, lambda: next(looks), "final")
     assert steps == [10, 10] and len(e2e.rounds) == 20  # settled at the second look: 20 of 40 rounds
     assert len(cache.lookup(group)["rounds"]) == 20
     again = EndToEnd(None, {}, cache, "fingerprint", "digest", [[1, 4]])
     again._time = fake_time
-    assert again.time_until(configs, 40, 10, lambda: False, "final") == group
+    assert again.time_until(configs, 40, 10, lambda: configs, "final") == group
     assert steps == [10, 10] and len(again.rounds) == 20 and again.from_cache  # no new timing
+
+
+def test_final_rounds_time_only_float32_and_the_configurations_still_undecided():
+    # 0.83x and 1.67x are decided after the first step; only the close call (1.015x) and float32
+    # are timed on, so its interval gets the rounds.
+    float32, slow, fast, close = (_config("uniform float32", "uniform", 10.0), _config("uniform int8", "uniform", 12.0),
+                                  _config("map (round 1)", "map", 6.0), _config("map (round 2)", "map", 9.85))
+    e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 12.0, "map (round 1)": 6.0,
+                           "map (round 2)": 9.85}, 0.03, 10)
+    assert [c.name for c in verify.unsettled(Ctx, e2e, float32, [slow, fast, close])] == ["uniform float32",
+                                                                                         "map (round 2)"]
+    assert not verify.settled(Ctx, e2e, float32, [slow, fast, close])
+    assert verify.unsettled(Ctx, e2e, float32, [slow, fast]) == []  # nothing left: the rounds stop
+    e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 12.0}, 0.02, 2)
+    assert [c.name for c in verify.unsettled(Ctx, e2e, float32, [slow])] == ["uniform float32", "uniform int8"]
+
+
+def test_time_until_times_what_pending_names_after_each_step():
+    from autopolicy.search.cache import MeasurementCache
+    from autopolicy.search.endtoend import EndToEnd, config_key
+
+    configs = [_config(n, "uniform", 1.0) for n in ("uniform float32", "uniform bf16", "uniform int8")]
+    e2e = EndToEnd(None, {}, MeasurementCache(None), "fingerprint", "digest", [[1, 4]])
+    timed = []
+
+    def fake_time(todo, rounds):
+        timed.append(([c.name for c in todo], rounds))
+        e2e.rounds += [{config_key(c): 1.0 for c in todo} for _ in range(rounds)]
+
+    e2e._time = fake_time
+    looks = iter([[configs[0], configs[2]], [configs[0], configs[2]], []])
+    e2e.time_until(configs, 40, 10, lambda: next(looks), "final")
+    assert timed == [(["uniform float32", "uniform bf16", "uniform int8"], 10), (["uniform float32", "uniform int8"], 10),
+                     (["uniform float32", "uniform int8"], 10)]
+    assert len(e2e.samples(configs[1])) == 10 and len(e2e.samples(configs[2])) == 30
 
 
 def test_a_missed_map_shrinks_the_next_rounds_budget_by_predicted_over_observed(monkeypatch):

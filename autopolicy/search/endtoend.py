@@ -70,14 +70,16 @@ class EndToEnd:
         self.persist(group)
         return group
 
-    def time_until(self, configs: Sequence[Configuration], rounds: int, step: int, settled: Callable[[], bool],
-                   tag: str) -> str:
-        """Times ``configs`` in steps of ``step`` rounds until ``settled()`` (asked after each
-        step, on every round so far) or ``rounds`` rounds, or loads the rounds from the cache.
+    def time_until(self, configs: Sequence[Configuration], rounds: int, step: int,
+                   pending: Callable[[], Sequence[Configuration]], tag: str) -> str:
+        """Times ``configs`` in steps of ``step`` rounds, then only those ``pending()`` names
+        (asked after each step, on every round so far: the configurations whose figures are
+        still undecided, with their reference), until it names none or ``rounds`` rounds; or
+        loads the rounds from the cache.
 
         Returns the group's cache key (see :meth:`persist`)."""
         keys = sorted({config_key(c) for c in configs})
-        group = key(*self.prefix, tag, keys, rounds, step)
+        group = key(*self.prefix, tag, keys, rounds, step, "narrowing")
         cached = self.cache.lookup(group)
         self._starts[group] = len(self.rounds)
         if cached is not None:
@@ -85,12 +87,11 @@ class EndToEnd:
             self.from_cache = True
             self._cached_groups.add(group)
             return group
-        done = 0
-        while done < rounds:
-            self._time(configs, min(step, rounds - done))
+        done, todo = 0, list(configs)
+        while done < rounds and todo:
+            self._time(todo, min(step, rounds - done))
             done += step
-            if settled():
-                break
+            todo = list(pending())
         self.persist(group)
         return group
 

@@ -23,7 +23,7 @@ from autopolicy.search.latency_model import IDENTITY, Calibration
 from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem, Status, failed
 
 __all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "score_uniforms", "decide",
-           "settled", "choose", "Models", "over_memory"]
+           "settled", "unsettled", "choose", "Models", "over_memory"]
 
 #: Models built for configurations, by configuration name (what ``eval_fn`` scored).
 Models = dict
@@ -363,6 +363,23 @@ def _spent(ctx: Context, config: Configuration) -> float:
 MIN_PAIRED_ROUNDS = 3
 
 
+def unsettled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[Configuration]) -> list[Configuration]:
+    """What the final rounds must still time: float32 and every configuration whose speed-up
+    over it is not yet clearly above or clearly below the margin (its interval straddles it, or
+    it has too few rounds for one); empty once none is left. A configuration already decided is
+    timed no more: the rounds go to the close calls (:func:`decide` reads the speed-ups over
+    float32 first, and gives close calls between other configurations extra rounds of their own)."""
+    if e2e.failure(float32):
+        return []
+    timed = [c for c in others if not e2e.failure(c)]
+    if len(e2e.samples(float32)) < MIN_PAIRED_ROUNDS:
+        return [float32] + timed
+    # (float32 is timed in every round another configuration is)
+    open_ = [c for c in timed if len(e2e.samples(c)) < MIN_PAIRED_ROUNDS
+             or e2e.speedup(c, float32).straddles(ctx.min_speedup)]
+    return [float32] + open_ if open_ else []
+
+
 def settled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[Configuration]) -> bool:
     """Whether every configuration timed is clearly above or clearly below the margin over
     float32 (no interval straddles it), so that more of the final rounds would change nothing
@@ -370,17 +387,14 @@ def settled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[Co
     extra rounds there)."""
     if e2e.failure(float32) or len(e2e.samples(float32)) < MIN_PAIRED_ROUNDS:
         return False
-    timed = [c for c in others if not e2e.failure(c) and e2e.samples(c)]
-    if any(len(e2e.samples(c)) < MIN_PAIRED_ROUNDS for c in timed):
-        return False  # (float32 is timed in every round another configuration is)
-    return not any(e2e.speedup(c, float32).straddles(ctx.min_speedup) for c in timed)
+    return not unsettled(ctx, e2e, float32, [c for c in others if e2e.samples(c)])
 
 
 def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], uniform_configs: list[Configuration],
            models: Models, e2e: EndToEnd) -> tuple[Configuration, list[Configuration], int, list[str]]:
     """Times every configuration together (paired rounds in steps of half the repeats, up to
-    twice the repeats, stopped as soon as every speed-up over float32 is clearly on one side
-    of the margin: see :func:`settled`), scores the uniform policies that could matter, and
+    twice the repeats; after each step only float32 and the configurations whose speed-up over
+    it is not yet clearly on one side of the margin, until none is: see :func:`unsettled`), scores the uniform policies that could matter, and
     decides with confidence (:func:`decide`).
 
     Returns the winner, every configuration (maps, then uniform policies, with their
@@ -388,7 +402,7 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
     decision log.
     """
     group = e2e.time_until(tried + uniform_configs, 2 * ctx.repeats, max(ctx.repeats // 2, 1),
-                           lambda: settled(ctx, e2e, uniform_configs[0], tried + uniform_configs[1:]), "final")
+                           lambda: unsettled(ctx, e2e, uniform_configs[0], tried + uniform_configs[1:]), "final")
     grouped = len(e2e.rounds)  # the group's rounds end here; close calls' extra rounds follow
     if e2e.failure(uniform_configs[0]):  # every speed-up is measured against it
         raise ValueError(f"The float32 model could not be timed end to end: {e2e.failure(uniform_configs[0])}")
