@@ -143,6 +143,18 @@ def compare_weight_only(k: int, n: int, m: int, rounds: int, seed: int = 0) -> s
     return f"{k}x{n} batch {m}: " + " | ".join(_old_new(name, times, nbytes) for name, nbytes in kinds.items())
 
 
+def _chains_interleaved(fns: dict, work: int, chain: int, rounds: int, rng: np.random.Generator) -> dict:
+    """Seconds per layer call of each ``{name: (chained fn, args)}``, over ``rounds`` rounds in
+    fresh random orders (each sample: a few back-to-back runs of the chain, ``work`` products each)."""
+    reps = max(1, min(20, int(2e7 / work)))
+    return _interleaved({name: _scaled(_timer(fn, args, reps), 1 / chain) for name, (fn, args) in fns.items()},
+                        rounds, rng)
+
+
+def _scaled(run, factor):
+    return lambda: run() * factor
+
+
 def compare_weight_only_layers(k: int, n: int, m: int, rounds: int, chain: int, seed: int = 0,
                                budget: float = 64e6) -> str:
     """The weight-only kernels of both builds (and float32 XLA) as a decoder meets them: each in a
@@ -179,13 +191,7 @@ def compare_weight_only_layers(k: int, n: int, m: int, rounds: int, chain: int, 
         fns[f"{name} new"] = (_chain(new, chain), (x, weights))
         a, b = (np.asarray(fns[f"{name} {v}"][0](*fns[f"{name} {v}"][1])) for v in ("old", "new"))
         assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(a)), name
-    reps = max(1, min(20, int(2e7 / (m * k * n * chain))))
-    runs = {name: _timer(fn, args, reps) for name, (fn, args) in fns.items()}
-    times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for i in rng.permutation(len(runs)):
-            name = list(runs)[i]
-            times[name].append(runs[name]() / chain)
+    times = _chains_interleaved(fns, m * k * n * chain, chain, rounds, rng)
     med = {name: np.median(t) for name, t in times.items()}
     cells = [f"f32 {med['f32'] * 1e6:.0f} us"]
     for name, nbytes in kinds.items():
@@ -244,15 +250,9 @@ def compare_layers(k: int, n: int, m: int, rounds: int, chain: int, seed: int = 
         a, b = (np.asarray(fns[f"{kind} {v}"][0](*fns[f"{kind} {v}"][1])) for v in ("old", "new"))
         np.testing.assert_array_equal(a, b, err_msg=kind)
     del floats
-    reps = max(1, min(20, int(2e7 / (m * k * n * chain))))
-    runs = {name: _timer(fn, args, reps) for name, (fn, args) in fns.items()}
-    times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for i in rng.permutation(len(runs)):
-            name = list(runs)[i]
-            times[name].append(runs[name]() / chain)
+    times = _chains_interleaved(fns, m * k * n * chain, chain, rounds, rng)
     med = {name: np.median(t) for name, t in times.items()}
-    cells = [f"{name} {med[name] * 1e6:.1f}" for name in runs]
+    cells = [f"{name} {med[name] * 1e6:.1f}" for name in fns]
     gains = [f"{kind} new/old {np.median(np.array(times[f'{kind} old']) / np.array(times[f'{kind} new'])):.2f}x, "
              f"vs f32 {med['f32'] / med[f'{kind} new']:.2f}x" for kind in ("int8", "int4")]
     return f"{k}x{n} batch {m} (us/layer): " + ", ".join(cells) + " | " + "; ".join(gains)
