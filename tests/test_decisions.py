@@ -391,6 +391,9 @@ class SteppedEndToEnd(FakeEndToEnd):
     def samples(self, config):
         return self.samples_[config.name]
 
+    def rounds_together(self, configs):
+        return sum(1 for values in zip(*(self.samples_[c.name] for c in configs)) if all(v == v for v in values))
+
 
 def test_settled_once_no_interval_straddles_the_margin():
     float32, slow, fast = (_config("uniform float32", "uniform", 10.0), _config("uniform int8", "uniform", 12.0),
@@ -457,6 +460,19 @@ def test_final_rounds_time_only_float32_and_the_configurations_still_undecided()
     assert verify.unsettled(Ctx, e2e, float32, [slow, fast]) == []  # nothing left: the rounds stop
     e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 12.0}, 0.02, 2)
     assert [c.name for c in verify.unsettled(Ctx, e2e, float32, [slow])] == ["uniform float32", "uniform int8"]
+
+
+def test_final_rounds_narrow_only_once_every_pair_has_an_interval():
+    # A map decided over float32 on the calibration rounds' figures alone would leave decide()
+    # comparing it with the uniform policy it challenges on fewer than 3 shared rounds.
+    float32, slow, fast = (_config("uniform float32", "uniform", 10.0), _config("uniform int8", "uniform", 12.0),
+                           _config("map (round 1)", "map", 6.0))
+    e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 12.0, "map (round 1)": 6.0}, 0.02, 10)
+    e2e.samples_["map (round 1)"][:8] = [math.nan] * 8  # the map was timed in the last 2 rounds only
+    assert [c.name for c in verify.unsettled(Ctx, e2e, float32, [slow, fast])] == ["uniform float32", "uniform int8",
+                                                                                  "map (round 1)"]
+    e2e._time(["uniform float32", "uniform int8", "map (round 1)"], 1)
+    assert verify.unsettled(Ctx, e2e, float32, [slow, fast]) == []
 
 
 def test_time_until_times_what_pending_names_after_each_step():

@@ -151,6 +151,11 @@ class EndToEnd:
         k = config_key(config)
         return [r[k] for r in self.rounds if k in r]
 
+    def rounds_together(self, configs: Sequence[Configuration]) -> int:
+        """How many rounds timed every one of ``configs``."""
+        keys = {config_key(c) for c in configs}
+        return sum(1 for r in self.rounds if keys <= r.keys())
+
     def summary(self, config: Configuration) -> timing.Timing:
         return timing.summarize(self.samples(config))
 

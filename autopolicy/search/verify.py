@@ -372,7 +372,9 @@ def unsettled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[
     if e2e.failure(float32):
         return []
     timed = [c for c in others if not e2e.failure(c)]
-    if len(e2e.samples(float32)) < MIN_PAIRED_ROUNDS:
+    if e2e.rounds_together([float32] + timed) < MIN_PAIRED_ROUNDS:
+        # Every pair gets an interval first: decide may compare any two (a map with the uniform
+        # policy it challenges), and two configurations decided at once would share no more rounds.
         return [float32] + timed
     # (float32 is timed in every round another configuration is)
     open_ = [c for c in timed if len(e2e.samples(c)) < MIN_PAIRED_ROUNDS
