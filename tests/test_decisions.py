@@ -383,7 +383,7 @@ def test_a_float32_model_that_fails_to_run_is_a_value_error():
 
 
 class SteppedEndToEnd(FakeEndToEnd):
-    """FakeEndToEnd with what verify.settled reads (failures, samples)."""
+    """FakeEndToEnd with what verify.unsettled reads (failures, samples, rounds shared)."""
 
     def failure(self, config):
         return ""
@@ -399,12 +399,12 @@ def test_settled_once_no_interval_straddles_the_margin():
     float32, slow, fast = (_config("uniform float32", "uniform", 10.0), _config("uniform int8", "uniform", 12.0),
                            _config("map (round 1)", "map", 6.0))
     e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 12.0, "map (round 1)": 6.0}, 0.02, 10)
-    assert verify.settled(Ctx, e2e, float32, [slow, fast])  # 0.83x and 1.67x: both clear of 1.02
+    assert verify.unsettled(Ctx, e2e, float32, [slow, fast]) == []  # 0.83x and 1.67x: both clear of 1.02
     close = _config("map (round 2)", "map", 9.85)  # 1.015x: within noise of the margin
     e2e = SteppedEndToEnd({"uniform float32": 10.0, "map (round 2)": 9.85}, 0.03, 10)
-    assert not verify.settled(Ctx, e2e, float32, [close])
+    assert verify.unsettled(Ctx, e2e, float32, [close]) == [float32, close]
     e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 12.0}, 0.02, 2)
-    assert not verify.settled(Ctx, e2e, float32, [slow])  # 2 rounds: too few for an interval
+    assert verify.unsettled(Ctx, e2e, float32, [slow]) == [float32, slow]  # 2 rounds: too few for an interval
 
 
 def test_stopping_final_rounds_early_does_not_let_an_equal_configuration_win():
@@ -416,7 +416,7 @@ def test_stopping_final_rounds_early_does_not_let_an_equal_configuration_win():
         float32, same = _config("uniform float32", "uniform", 10.0), _config("uniform bf16", "uniform", 10.0)
         for _ in range(8):
             e2e._time(["uniform float32", "uniform bf16"], 5)
-            if verify.settled(Ctx, e2e, float32, [same]):
+            if not verify.unsettled(Ctx, e2e, float32, [same]):
                 break
         winner, _ = verify.decide(Ctx, e2e, float32, [same.with_(meets_budget=True)])
         wins += winner.name == "uniform bf16"
@@ -456,7 +456,6 @@ def test_final_rounds_time_only_float32_and_the_configurations_still_undecided()
                            "map (round 2)": 9.85}, 0.03, 10)
     assert [c.name for c in verify.unsettled(Ctx, e2e, float32, [slow, fast, close])] == ["uniform float32",
                                                                                          "map (round 2)"]
-    assert not verify.settled(Ctx, e2e, float32, [slow, fast, close])
     assert verify.unsettled(Ctx, e2e, float32, [slow, fast]) == []  # nothing left: the rounds stop
     e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 12.0}, 0.02, 2)
     assert [c.name for c in verify.unsettled(Ctx, e2e, float32, [slow])] == ["uniform float32", "uniform int8"]

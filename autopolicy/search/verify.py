@@ -23,7 +23,7 @@ from autopolicy.search.latency_model import IDENTITY, Calibration
 from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem, Status, failed
 
 __all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "score_uniforms", "decide",
-           "settled", "unsettled", "choose", "Models", "over_memory"]
+           "unsettled", "choose", "Models", "over_memory"]
 
 #: Models built for configurations, by configuration name (what ``eval_fn`` scored).
 Models = dict
@@ -366,7 +366,7 @@ MIN_PAIRED_ROUNDS = 3
 def unsettled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[Configuration]) -> list[Configuration]:
     """What the final rounds must still time: float32 and every configuration whose speed-up
     over it is not yet clearly above or clearly below the margin (its interval straddles it, or
-    it has too few rounds for one); empty once none is left. A configuration already decided is
+    they have not yet shared the rounds an interval needs); empty once none is left. A configuration already decided is
     timed no more: the rounds go to the close calls (:func:`decide` reads the speed-ups over
     float32 first, and gives close calls between other configurations extra rounds of their own)."""
     if e2e.failure(float32):
@@ -377,19 +377,8 @@ def unsettled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[
         # policy it challenges), and two configurations decided at once would share no more rounds.
         return [float32] + timed
     # (float32 is timed in every round another configuration is)
-    open_ = [c for c in timed if len(e2e.samples(c)) < MIN_PAIRED_ROUNDS
-             or e2e.speedup(c, float32).straddles(ctx.min_speedup)]
+    open_ = [c for c in timed if e2e.speedup(c, float32).straddles(ctx.min_speedup)]
     return [float32] + open_ if open_ else []
-
-
-def settled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[Configuration]) -> bool:
-    """Whether every configuration timed is clearly above or clearly below the margin over
-    float32 (no interval straddles it), so that more of the final rounds would change nothing
-    :func:`decide` reads first (close calls between other configurations still get their own
-    extra rounds there)."""
-    if e2e.failure(float32) or len(e2e.samples(float32)) < MIN_PAIRED_ROUNDS:
-        return False
-    return not unsettled(ctx, e2e, float32, [c for c in others if e2e.samples(c)])
 
 
 def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], uniform_configs: list[Configuration],

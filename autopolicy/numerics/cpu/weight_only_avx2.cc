@@ -53,11 +53,11 @@ inline float zero_term(const float* scale, const uint8_t* zero, const float* xsu
   return total;
 }
 
-// Output rows [row, row + count) (count <= 2 * P: P pairs of rows) for rows [m0, m0 + M) of x,
+// Output rows [row, row + count) (count <= 2: a pair of rows) for rows [m0, m0 + M) of x,
 // with S independent sets of sums per group. Rows past `count` repeat the last one, unstored.
-template <int M, int S, int P, bool kPacked>
+template <int M, int S, bool kPacked>
 void row_block(const WeightOnlyArgs& a, int64_t m0, int64_t row, int64_t count) {
-  constexpr int R = 2 * P;
+  constexpr int R = 2;
   const int64_t k = a.k, groups = (k + a.group - 1) / a.group;
   const PassRows<R> pass(a, row, count);
   const uint8_t* const* src = pass.src;
@@ -207,10 +207,10 @@ void run(const WeightOnlyArgs& a, int64_t n0, int64_t n1) {
     // Up to four rows of x a pass; further passes find the pair's weights in L1.
     for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
       switch (std::min<int64_t>(4, a.m - m0)) {
-        case 1: row_block<1, 2, 1, kPacked>(a, m0, row, count); break;
-        case 2: row_block<2, 1, 1, kPacked>(a, m0, row, count); break;
-        case 3: row_block<3, 1, 1, kPacked>(a, m0, row, count); break;
-        default: row_block<4, 1, 1, kPacked>(a, m0, row, count); break;
+        case 1: row_block<1, 2, kPacked>(a, m0, row, count); break;
+        case 2: row_block<2, 1, kPacked>(a, m0, row, count); break;
+        case 3: row_block<3, 1, kPacked>(a, m0, row, count); break;
+        default: row_block<4, 1, kPacked>(a, m0, row, count); break;
       }
     }
   }
