@@ -7,6 +7,7 @@ paths are all compiled in and chosen at run time from the CPU's features, so one
 any x86-64 CPU.
 """
 
+import concurrent.futures
 import glob
 import importlib.util
 import os
@@ -30,6 +31,33 @@ def _ffi_include() -> str | None:
     return include if os.path.exists(os.path.join(include, "xla", "ffi", "api", "ffi.h")) else None
 
 
+def _compile_in_parallel(compiler) -> None:
+    """Has ``compiler.compile`` compile the sources of one extension on one thread per core (the
+    C++ build is most of a fresh install's own time; build_ext compiles them one by one). Through
+    distutils' compile steps (_setup_compile, _get_cc_args, _compile); where a compiler lacks them,
+    or anything in them fails, the serial compile runs instead."""
+    serial = compiler.compile
+
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=False, extra_preargs=None,
+                extra_postargs=None, depends=None):
+        try:
+            macros_, objects, postargs, pp_opts, build = compiler._setup_compile(
+                output_dir, macros, include_dirs, sources, depends, extra_postargs)
+            cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+        except Exception:  # noqa: BLE001
+            return serial(sources, output_dir, macros, include_dirs, debug, extra_preargs, extra_postargs, depends)
+
+        def one(obj):
+            src, ext = build[obj]
+            compiler._compile(obj, src, ext, cc_args, postargs, pp_opts)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            list(pool.map(one, [o for o in objects if o in build]))
+        return objects
+
+    compiler.compile = compile
+
+
 class OptionalBuildExt(build_ext):
     """build_ext that warns instead of failing: the kernels are an optimization."""
 
@@ -40,6 +68,7 @@ class OptionalBuildExt(build_ext):
                       "not built and the XLA kernels will be used")
             return
         ext.include_dirs.append(include)
+        _compile_in_parallel(self.compiler)
         try:
             super().build_extension(ext)
         except Exception as e:  # noqa: BLE001 (no compiler, a failed compile: the XLA paths stay)
