@@ -11,9 +11,10 @@ be equal, int4 within float32 rounding (builds may round the block sums differen
 With ``--layers`` it times whole layers instead (float input, float output), as a model runs
 them: a jitted chain of ``--chain`` dependent calls (each input nudged by the previous output,
 so no call overlaps another; each variant cycling through its own copies of the weights, about
-64 MB of them, so they stream from memory as a decoder's do), per call: float32 XLA dot; the other build's int8 and int4
-kernels between the package's XLA quantization and rescale (what the layers did before the
-fused calls); and the installed build's fused ``cpu_kernels.int8_dense`` / ``int4_dense``.
+64 MB of them, so they stream from memory as a decoder's do), per call: float32 XLA dot; the other build's fused int8 and int4 layer
+handlers (for a build older than them: its int8 and int4 kernels between the package's XLA
+quantization and rescale); and the installed build's fused ``cpu_kernels.int8_dense`` /
+``int4_dense``.
 Outputs must be equal (int8, int4 per channel) bit for bit.
 
 With ``--weight-only`` it times the GPTQ/AWQ kernel (``cpu_weight_only.weight_only_matmul``)
@@ -214,15 +215,27 @@ def _chain(layer, length):
     return jax.jit(run)
 
 
+# Whether the other build has the fused layer handlers (set in main): then its layers are timed
+# through them, so --layers compares build with build; older builds' layers are the package's XLA
+# quantization and rescale around their int8/int4 kernels.
+_OLD_FUSED = False
+
+
 def _old_int8_layer(x, w, w_scale):
+    if _OLD_FUSED:
+        bias, out = cpu_kernels._dense_operands("int8_dense", x, w.shape[1], None, None)
+        return jax.ffi.ffi_call("ab_old_int8_dense", out)(x, w, w_scale.reshape((w.shape[1],)), bias)
     xq, xs = int8.quantize_symmetric(x, (1,))
     acc = jax.ffi.ffi_call("ab_old_int8", jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.int32))(xq, w)
     return acc.astype(jnp.float32) * (xs * w_scale)
 
 
 def _old_int4_layer(x, packed, scale):
-    xq, xs = int8.quantize_symmetric(x, (1,))
     k = x.shape[1]
+    if _OLD_FUSED:
+        bias, out = cpu_kernels._dense_operands("int4_dense", x, packed.shape[1], None, None)
+        return jax.ffi.ffi_call("ab_old_int4_dense", out)(x, packed, scale, bias, block=int(k))
+    xq, xs = int8.quantize_symmetric(x, (1,))
     y = jax.ffi.ffi_call("ab_old_int4", jax.ShapeDtypeStruct((x.shape[0], packed.shape[1]), jnp.float32))(
         xq, packed, scale, block=k)
     return y * xs
@@ -274,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     lib = ctypes.CDLL(args.old)
     jax.ffi.register_ffi_target("ab_old_int8", jax.ffi.pycapsule(lib.AutopolicyInt8Matmul), platform="cpu")
     jax.ffi.register_ffi_target("ab_old_int4", jax.ffi.pycapsule(lib.AutopolicyInt4Matmul), platform="cpu")
+    global _OLD_FUSED
+    _OLD_FUSED = hasattr(lib, "AutopolicyInt8Dense") and hasattr(lib, "AutopolicyInt4Dense")
+    if _OLD_FUSED:
+        jax.ffi.register_ffi_target("ab_old_int8_dense", jax.ffi.pycapsule(lib.AutopolicyInt8Dense), platform="cpu")
+        jax.ffi.register_ffi_target("ab_old_int4_dense", jax.ffi.pycapsule(lib.AutopolicyInt4Dense), platform="cpu")
     if args.weight_only:
         jax.ffi.register_ffi_target("ab_old_weight_only", jax.ffi.pycapsule(lib.AutopolicyWeightOnlyMatmul),
                                     platform="cpu")

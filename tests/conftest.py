@@ -22,6 +22,8 @@ Set up before JAX is imported, for a fast run under pytest-xdist (``-n auto``):
 - JAX's persistent compilation cache is on for the run, in the git-ignored ``.cache/jax-tests``
   (override with ``AUTOPOLICY_TEST_JAX_CACHE``; an empty value turns it off), with no minimum
   compile time, so a second run reuses the first one's compilations.
+- Off a CPU backend (a GPU machine), float32 dots run at full precision
+  (``jax_default_matmul_precision="highest"``), as the tests' references assume.
 - autopolicy's machine-wide cache (``AUTOPOLICY_CACHE``: trained example weights, shared
   measurements) is the git-ignored ``.cache/autopolicy-tests``, so tests never read or write the
   user's ``~/.cache/autopolicy``.
@@ -55,11 +57,18 @@ def _fast_compiles() -> None:
 
 
 def _xla_knows(flag: str) -> bool:
-    """Whether the installed jaxlib's XLA has ``flag`` (an unknown flag in XLA_FLAGS aborts the
-    process): its name is in the library that parses them. Read mapped, not loaded: ~30 ms."""
+    """Whether the installed XLA has ``flag`` (an unknown flag in ``XLA_FLAGS`` aborts the
+    process): its name is in the library that parses them (read mapped, not loaded: ~30 ms), and
+    no PJRT plugin is installed (``jax_plugins``): a GPU plugin's XLA parses the same variable, and
+    on an H200 machine it rejected this CPU flag although jaxlib's library names it, aborting
+    every test process."""
     import importlib.util  # pylint: disable=import-outside-toplevel
     import mmap  # pylint: disable=import-outside-toplevel
 
+    plugins = importlib.util.find_spec("jax_plugins")
+    if plugins is not None and any(pathlib.Path(p).is_dir() and any(pathlib.Path(p).iterdir())
+                                   for p in plugins.submodule_search_locations or []):
+        return False
     spec = importlib.util.find_spec("jaxlib")
     if spec is None or not spec.submodule_search_locations:
         return False
@@ -98,6 +107,10 @@ import pytest  # noqa: E402
 import autopolicy as ap  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+if jax.default_backend() != "cpu":
+    # The tests' float32 references assume float32 products; a GPU's default rounds the operands
+    # of float32 dots to TF32 (10-bit mantissas; an H200 missed 1e-6 tolerances by 2.6e-4).
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture(autouse=True)

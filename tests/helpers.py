@@ -5,6 +5,19 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+
+#: For tests of what the package does on a CPU backend (its lowering, its device report): a GPU
+#: machine's default backend is not one.
+on_cpu_backend = pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs JAX's default backend to be a CPU")
+
+
+@pytest.fixture
+def on_the_cpu():
+    """Runs the test with JAX's default device a CPU (the CPU kernels' tests, on a GPU machine)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def relative_error(y, reference):

@@ -15,8 +15,11 @@ import pytest
 
 from autopolicy.numerics import cpu_kernels, cpu_weight_only, int4, int8, kernels
 from autopolicy.numerics.device import Device
+from helpers import on_cpu_backend, on_the_cpu  # noqa: F401  (a fixture)
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason=f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+# The kernels run on CPUs: their operands there, also where the default device is a GPU.
+pytestmark = pytest.mark.usefixtures("on_the_cpu")
 PATHS = cpu_kernels.supported_paths() if cpu_kernels.AVAILABLE else ()
 
 # (rows, K, N): batch 1 and 7, odd K, N not a multiple of the SIMD widths (16 and 32 columns on
@@ -516,6 +519,7 @@ def test_switched_off_the_package_keeps_to_xla_with_one_notice():
     assert lines[-1] == "('s8s8', 'u8s8') ('xla',)"
 
 
+@on_cpu_backend
 def test_the_device_command_names_the_cpu_and_kernels(capsys):
     from autopolicy import cli
 
@@ -582,6 +586,7 @@ def test_decode_attention_names_bad_operands():
 
 
 @needs_kernels
+@on_cpu_backend
 def test_the_tuners_fingerprint_names_the_kernel_path_and_build(path_restored):
     # Cached timings of one build's kernels, or of another path, are not this one's.
     from autopolicy.search import hardware
@@ -594,3 +599,48 @@ def test_the_tuners_fingerprint_names_the_kernel_path_and_build(path_restored):
     cpu_kernels.set_path("portable")
     assert hardware.detect()["cpu_kernels"]["path"] == "portable"
     assert hardware.fingerprint() != hardware.fingerprint(info)
+
+
+def _exported_text(fn, platform, *args):
+    """The StableHLO that ``fn`` lowers to for ``platform`` (no such device needed)."""
+    from jax import export  # pylint: disable=import-outside-toplevel
+
+    checks = [export.DisabledSafetyCheck.custom_call(f"autopolicy_{op}")
+              for op in ("int8_matmul", "int8_dense", "int4_matmul", "int4_dense", "weight_only_matmul")]
+    return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args).mlir_module()
+
+
+def _ffi_ops():
+    """``{name: (fn, args)}``: each op of the package asked for kernel "cpu_ffi"."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((2, 40)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((40, 24)).astype(np.float32))
+    kq, ks = int8.quantize_symmetric(w, (0,))
+    w4 = int4._quantize_kernel(w, (0,), 8, jnp.dtype(jnp.float32))  # pylint: disable=protected-access
+    from autopolicy.numerics import weight_only  # pylint: disable=import-outside-toplevel
+
+    stored = weight_only.store(jnp.asarray(rng.integers(0, 16, (24, 40))),
+                               jnp.asarray(rng.uniform(0.01, 0.2, (24, 5)).astype(np.float32)),
+                               jnp.asarray(rng.integers(0, 16, (24, 5))), weight_only.group_index(40, 8), 4,
+                               jnp.float32)
+    return {
+        "int8 fused": (lambda a: int8.int8_einsum("mk,kn->mn", a, kq, ks, jnp.float32, None, "cpu_ffi"), (x,)),
+        "int8 float16": (lambda a: int8.int8_einsum("mk,kn->mn", a, kq, ks, jnp.float16, None, "cpu_ffi"),
+                         (x.astype(jnp.float16),)),
+        "int8 accumulators": (lambda a: int8.int8_accumulate("mk,kn->mn", a, kq, "cpu_ffi"), (kq.T[:2],)),
+        "int4": (lambda a: int4.einsum_kernel("mk,kn->mn", a, w4, (8,), jnp.float32, kernel="cpu_ffi"), (x,)),
+        "weight-only": (lambda a: weight_only.einsum_kernel("mk,kn->mn", a, stored, (4, 8), jnp.float32,
+                                                            kernel="cpu_ffi"), (x,)),
+    }
+
+
+@needs_kernels
+@pytest.mark.parametrize("op", ["int8 fused", "int8 float16", "int8 accumulators", "int4", "weight-only"])
+def test_ops_asked_for_the_cpu_kernel_lower_to_xla_off_a_cpu(op):
+    # The FFI targets exist on CPUs only: on a GPU these programs failed to compile ("No FFI handler
+    # registered ... on a platform CUDA"); lowered for one now, they hold XLA's ops alone.
+    fn, args = _ffi_ops()[op]
+    assert "custom_call @autopolicy_" in _exported_text(fn, "cpu", *args)
+    on_gpu = _exported_text(fn, "cuda", *args)
+    assert "autopolicy_" not in on_gpu
+    assert "stablehlo.dot_general" in on_gpu

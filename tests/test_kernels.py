@@ -15,7 +15,7 @@ import pytest
 
 from autopolicy.numerics import _int8_accumulate, _u8s8_dot, cpu_kernels, float8, float_dot, int4, int8, kernels
 from autopolicy.numerics.device import CPU_FEATURES, Device, current_device, known_cpu_features, parse_cpuinfo
-from helpers import assert_bit_identical, gaussian
+from helpers import assert_bit_identical, gaussian, on_cpu_backend
 
 # --- stand-ins ------------------------------------------------------------------------------
 
@@ -230,6 +230,28 @@ def test_int8_conv_runs_only_s8s8():
         kernels.kernel_spec("int8", "u8s8").fn("conv2d")
 
 
+def test_int8_conv_off_a_cpu_accumulates_in_float32_exactly():
+    # cuDNN lowers few integer convolutions (an H200 refused (1, 6, 6, 3) x (3, 3, 3, 4)): off a CPU
+    # the accumulators come from a float32 convolution, exact for windows of up to 1040 inputs.
+    rng = np.random.default_rng(4)
+    x_q = jnp.asarray(rng.choice(np.array([-127, 127, -3, 0, 5], np.int8), (2, 7, 7, 20)))
+    kernel_q = jnp.asarray(rng.choice(np.array([-128, 127, 1, -1], np.int8), (3, 3, 20, 6)))
+    with jax.default_device(jax.devices("cpu")[0]):  # XLA:CPU has the integer convolution
+        exact = int8._conv(x_q, kernel_q, (2, 2), "SAME", preferred_element_type=jnp.int32)
+    floated = int8._float_conv_accumulate(x_q, kernel_q, (2, 2), "SAME")
+    assert floated.dtype == jnp.int32 and int(jnp.max(jnp.abs(exact))) > 2**16
+    np.testing.assert_array_equal(np.asarray(floated), np.asarray(exact))
+    from jax import export  # pylint: disable=import-outside-toplevel
+
+    x = jnp.asarray(gaussian((1, 6, 6, 3)))
+    kq, scale = int8.quantize_symmetric(jnp.asarray(gaussian((3, 3, 3, 4), seed=2)), (0, 1, 2))
+    conv = jax.jit(lambda a: int8.int8_conv(a, kq, scale, (1, 1), "SAME", jnp.float32))
+    convs = {platform: [line for line in export.export(conv, platforms=[platform])(x).mlir_module().splitlines()
+                        if "stablehlo.convolution" in line] for platform in ("cpu", "cuda")}
+    assert len(convs["cpu"]) == len(convs["cuda"]) == 1
+    assert "tensor<1x6x6x3xi8>" in convs["cpu"][0] and "tensor<1x6x6x3xf32>" in convs["cuda"][0]
+
+
 # --- int8: every kernel gives the same accumulators and outputs ---------------------------------
 
 needs_u8 = pytest.mark.skipif(not _u8s8_dot.AVAILABLE, reason="this JAX has no hooks for the u8 x s8 primitive")
@@ -307,6 +329,7 @@ def test_int8_kernels_have_the_same_gradient():
     assert_bit_identical(grads["u8s8"], grads["s8s8"])
 
 
+@on_cpu_backend  # the u8 x s8 product has a CPU lowering only
 @pytest.mark.parametrize("name,expect_u8", [("EPYC_AVX2", False), ("SAPPHIRE_RAPIDS", True), ("H100", False)])
 def test_the_default_kernel_is_the_one_in_the_program(monkeypatch, name, expect_u8):
     # The default is read from the (stand-in) current device when the product is traced.

@@ -16,6 +16,7 @@ from autopolicy import nn, policies
 from autopolicy.nn import generation
 from autopolicy.nn.gguf import unpermute_rotary
 from autopolicy.nn.llama import rotary
+from helpers import on_cpu_backend
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
 import smollm2  # noqa: E402
@@ -401,6 +402,7 @@ def test_the_tuner_keys_a_nested_sample_input_of_unlike_shapes_by_its_leaves(sma
     assert _input_shape(np.zeros((1, 1), np.int32)) == [1, 1] and _input_shape(np.asarray(5)) == []
 
 
+@on_cpu_backend  # the kernel runs where the default backend is a CPU
 def test_a_decode_step_runs_the_cpu_attention_kernel_and_equals_xla(small, monkeypatch):
     """Where the CPU kernels are built, a float32 decode step's attention is one FFI call
     (cpu_kernels.decode_attention); AUTOPOLICY_XLA_ATTENTION=1 keeps XLA's ops. Same logits

@@ -6,7 +6,7 @@ import pytest
 
 from autopolicy.search import timing
 
-from helpers import ops_outside_loops, tiny_two_layer
+from helpers import on_cpu_backend, ops_outside_loops, tiny_two_layer
 
 X = jax.random.normal(jax.random.key(0), (64, 64))
 
@@ -19,6 +19,7 @@ def _counting_candidate(calls):
     return timing.Candidate(fn, (X,), jnp.eye(64))
 
 
+@on_cpu_backend  # one call per iteration on CPUs (GPUs unroll the loop)
 def test_the_trip_count_is_a_runtime_argument_of_one_compilation(monkeypatch):
     calls, compiles = [], []
     real_jit = jax.jit

@@ -19,6 +19,7 @@ import pytest
 import autopolicy.nn as nn
 from autopolicy.numerics import cpu_kernels, cpu_weight_only, kernels, weight_only
 from autopolicy.numerics.device import Device
+from helpers import on_the_cpu  # noqa: F401  (a fixture)
 
 needs_kernel = pytest.mark.skipif(not cpu_weight_only.AVAILABLE,
                                   reason=f"no weight-only CPU kernel: {cpu_weight_only.unavailable_reason()}")
@@ -36,6 +37,8 @@ def path_restored():
         cpu_kernels.set_path(PATHS[0])
 
 
+# The kernels run on CPUs: their operands there, also where the default device is a GPU.
+pytestmark = pytest.mark.usefixtures("on_the_cpu")
 _store = jax.jit(weight_only.store, static_argnums=(4, 5))  # one compilation a shape, not one an op
 
 

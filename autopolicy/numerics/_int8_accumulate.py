@@ -203,8 +203,13 @@ def _as_matmul(equation, x_q, kernel_q):
 
 def _ffi_accumulate(equation, x_q, kernel_q, kernel_colsum):
     del kernel_colsum
-    x2, k2, back = _as_matmul(equation, x_q, kernel_q)
-    return back(cpu_kernels.int8_matmul(x2, k2))
+
+    def ffi(a, b):
+        x2, k2, back = _as_matmul(equation, a, b)
+        return back(cpu_kernels.int8_matmul(x2, k2))
+
+    # Off a CPU (no FFI target there), XLA's s8 x s8 product: the same accumulators.
+    return cpu_kernels.on_cpu(ffi, lambda a, b: _s8s8_accumulate(equation, a, b, None), x_q, kernel_q)
 
 
 def ffi_dense(equation: str, x: jax.Array, kernel_q: jax.Array, kernel_scale: jax.Array,

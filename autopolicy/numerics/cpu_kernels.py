@@ -19,7 +19,7 @@ fails: :data:`AVAILABLE` is False, :func:`unavailable_reason` says why, and the 
 XLA kernels only (one notice on the ``autopolicy`` logger names why).
 
 >>> import jax.numpy as jnp
->>> if AVAILABLE:  # the accumulators of [[1, -2]] @ [[3], [4]]
+>>> if AVAILABLE and jax.default_backend() == "cpu":  # the accumulators of [[1, -2]] @ [[3], [4]]
 ...     assert int(int8_matmul(jnp.array([[1, -2]], jnp.int8), jnp.array([[3], [4]], jnp.int8))[0, 0]) == -5
 """
 
@@ -117,6 +117,16 @@ def notice_once() -> None:
     if not AVAILABLE:
         _log.warning("autopolicy: the CPU kernels are not available (%s); the XLA kernels are used.",
                      unavailable_reason())
+
+
+def on_cpu(kernel, fallback, *args):
+    """``kernel(*args)`` where the program is lowered for a CPU, else ``fallback(*args)`` (XLA ops
+    giving the same values): the FFI targets are registered for CPUs only, so an op asked for
+    ``kernel="cpu_ffi"`` on a GPU runs its XLA path instead of failing to compile there. Both are
+    traced; only the lowering platform's is lowered (``jax.lax.platform_dependent``), so a CPU
+    program holds the FFI call alone.
+    """
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=fallback)
 
 
 def _lib() -> ctypes.CDLL:
@@ -285,7 +295,8 @@ def int8_dense(x: jax.Array, w: jax.Array, w_scale: jax.Array, bias: jax.Array |
       ValueError: for operands of other ranks, dtypes or shapes.
 
     >>> import numpy as np
-    >>> if AVAILABLE:  # x = [1, -2] quantizes to [64, -127] (scale 2/127); the kernel's scale 0.5
+    >>> # x = [1, -2] quantizes to [64, -127] (scale 2/127); the kernel's scale 0.5
+    >>> if AVAILABLE and jax.default_backend() == "cpu":
     ...     y = int8_dense(jnp.array([[1.0, -2.0]]), jnp.array([[2], [127]], jnp.int8), jnp.array([0.5]))
     ...     assert np.isclose(float(y[0, 0]), (64 * 2 - 127 * 127) * (2 / 127) * 0.5)
     """

@@ -225,13 +225,21 @@ int4_matmul = jax.jit(_int4_matmul, static_argnums=(4, 5, 6))
 
 
 def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel="xla"):
+    if kernel == "cpu_ffi":  # on a CPU the kernel's call, elsewhere XLA's path: the same values
+        def run(on):
+            return lambda *a: _int4_product(*a, block_size, compute_dtype, on)
+        y = cpu_kernels.on_cpu(run("cpu_ffi"), run("xla"), x, packed, scale, colsum)
+        return y, (x, packed, scale, colsum)
+    return _int4_product(x, packed, scale, colsum, block_size, compute_dtype, kernel), (x, packed, scale, colsum)
+
+
+def _int4_product(x, packed, scale, colsum, block_size, compute_dtype, kernel):
     rows, k = x.shape
     dtypes = cpu_kernels.DENSE_DTYPES
     if kernel == "cpu_ffi" and jnp.dtype(x.dtype).name in dtypes and jnp.dtype(compute_dtype).name in dtypes:
         # One call quantizes x, multiplies and rescales: the values of the unfused path below.
         block = k if block_size == PER_CHANNEL else block_size
-        y = cpu_kernels.int4_dense(x, packed, scale.astype(jnp.float32), block, out_dtype=compute_dtype)
-        return y, (x, packed, scale, colsum)
+        return cpu_kernels.int4_dense(x, packed, scale.astype(jnp.float32), block, out_dtype=compute_dtype)
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
     x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
@@ -239,7 +247,7 @@ def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel
     if kernel == "cpu_ffi":
         block = k if block_size == PER_CHANNEL else block_size
         y = cpu_kernels.int4_matmul(xq.astype(jnp.int8), packed, scale.astype(jnp.float32), block)
-        return (y * x_scale).astype(compute_dtype), (x, packed, scale, colsum)
+        return (y * x_scale).astype(compute_dtype)
     # The u8 x s8 dot only where it is fast (VNNI/AMX), as int8's default kernel, and on one
     # device: its blocks slice the column sums and the custom dot does not propagate shardings
     # (on a mesh it failed on a K-sharded kernel and added all-gathers), so several devices take
@@ -266,7 +274,7 @@ def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel
         acc = jnp.einsum("mgb,gbn->gmn", xb, qb, preferred_element_type=jnp.int32,
                          out_sharding=_sharding.out_sharding("mgb,gbn->gmn", xb, qb))
         y = jnp.sum(acc.astype(jnp.float32) * scale.astype(jnp.float32)[:, None, :], axis=0)
-        return (y * x_scale).astype(compute_dtype), (x, packed, scale, colsum)
+        return (y * x_scale).astype(compute_dtype)
     y = None
     for g in range(groups):
         lo, hi = g * block, min(k, (g + 1) * block)
@@ -275,7 +283,7 @@ def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel
             acc = acc[:rows] - colsum[g]
         term = acc.astype(jnp.float32) * scale[g].astype(jnp.float32)
         y = term if y is None else y + term
-    return (y * x_scale).astype(compute_dtype), (x, packed, scale, colsum)
+    return (y * x_scale).astype(compute_dtype)
 
 
 def _int4_matmul_bwd(block_size, compute_dtype, kernel, residuals, g):

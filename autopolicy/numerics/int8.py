@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.numerics import _int8_accumulate, _sharding
+from autopolicy.numerics import _int8_accumulate, _sharding, cpu_kernels
 from autopolicy.numerics._int8_accumulate import (  # noqa: F401  (re-exported)
     INT8_KERNELS,
     INT8_OP_KERNELS,
@@ -150,10 +150,22 @@ def int8_einsum(
 
 def _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype, kernel_colsum=None, kernel=None):
     residuals = (x, kernel_q, kernel_scale, kernel_colsum)
-    if kernel == "cpu_ffi":  # the quantization and rescale inside the kernel's call: the same values
-        y = _int8_accumulate.ffi_dense(equation, x, kernel_q, kernel_scale, compute_dtype)
-        if y is not None:
-            return y, residuals
+    if kernel == "cpu_ffi":
+        # On a CPU the kernel's call (the quantization and rescale inside it: the same values, or
+        # around it), elsewhere the device's XLA kernel.
+        def xla(x_, kq, ks):
+            return _int8_einsum_fwd(equation, x_, kq, ks, compute_dtype, kernel_colsum)[0]
+
+        def ffi(x_, kq, ks):
+            y = _int8_accumulate.ffi_dense(equation, x_, kq, ks, compute_dtype)
+            if y is None:
+                x_q, x_scale = quantize_symmetric(x_, contracted_axes(equation)[0])
+                acc = int8_accumulate(equation, x_q, kq, "cpu_ffi", kernel_colsum)
+                y = _rescale(equation, acc, x_scale, ks).astype(compute_dtype)
+            return y
+
+        _int8_accumulate._resolve_einsum_kernel("cpu_ffi", equation)  # pylint: disable=protected-access  # raises early
+        return cpu_kernels.on_cpu(ffi, xla, x, kernel_q, kernel_scale), residuals
     x_axes, _ = contracted_axes(equation)
     x_q, x_scale = quantize_symmetric(x, x_axes)
     acc = int8_accumulate(equation, x_q, kernel_q, kernel, kernel_colsum)
@@ -222,11 +234,22 @@ def _conv(x, k, strides, padding, **kwargs):
     )
 
 
+def _float_conv_accumulate(x_q, kernel_q, strides, padding):
+    """The int32 accumulators of the int8 convolution from a float32 one, where XLA has no integer
+    convolution (on GPUs, cuDNN lowers only some layouts of one): every int8 product is exact in
+    float32, and so is each sum while it stays below 2**24 in size (any window of at most 1040
+    inputs); past that the sums are within float32 rounding of the integer ones."""
+    acc = _conv(x_q.astype(jnp.float32), kernel_q.astype(jnp.float32), strides, padding,
+                precision=jax.lax.Precision.HIGHEST)
+    return acc.astype(jnp.int32)
+
+
 def _int8_conv_fwd(x, kernel_q, kernel_scale, strides, padding, compute_dtype, kernel=None):
     if kernel is not None:
         _check_kernel(kernel, dict(INT8_OP_KERNELS)["conv2d"], "conv2d")
     x_q, x_scale = quantize_symmetric(x, axes=(1, 2, 3))
-    acc = _conv(x_q, kernel_q, strides, padding, preferred_element_type=jnp.int32)
+    acc = cpu_kernels.on_cpu(lambda a, b: _conv(a, b, strides, padding, preferred_element_type=jnp.int32),
+                             lambda a, b: _float_conv_accumulate(a, b, strides, padding), x_q, kernel_q)
     scale = x_scale * kernel_scale.astype(jnp.float32).reshape((1, 1, 1, -1))
     y = (acc.astype(jnp.float32) * scale).astype(compute_dtype)
     return y, (x, kernel_q, kernel_scale)

@@ -227,8 +227,13 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
       ValueError: for an unknown kernel.
     """
     if kernel == "cpu_ffi":
-        from autopolicy.numerics import cpu_weight_only  # it builds on this module
+        from autopolicy.numerics import cpu_kernels, cpu_weight_only  # they build on this module
 
+        if cpu_weight_only.AVAILABLE and is_calibrated(weights):  # else it raises, naming why
+            # On a CPU the kernel's call, elsewhere the XLA path below: the same values.
+            return cpu_kernels.on_cpu(
+                lambda x_, w_: cpu_weight_only.einsum_kernel(equation, x_, w_, layout, compute_dtype, kernel),
+                lambda x_, w_: einsum_kernel(equation, x_, w_, layout, compute_dtype), x, weights)
         return cpu_weight_only.einsum_kernel(equation, x, weights, layout, compute_dtype, kernel)
     if kernel not in (None, "xla"):
         raise ValueError(f"Invalid GPTQ/AWQ kernel. Expected one of ('xla', 'cpu_ffi'). Received: kernel={kernel!r}")
