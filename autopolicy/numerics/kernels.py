@@ -177,7 +177,7 @@ def _weight_only_specs(mode: str) -> tuple[KernelSpec, ...]:
         KernelSpec(
             mode=mode,
             name="cpu_ffi",
-            ops=(("einsum", _bind(cpu_weight_only.einsum_kernel, "cpu_ffi")),),
+            ops=(("einsum", _bind(weight_only.einsum_kernel, "cpu_ffi")),),  # XLA's path off a CPU
             available=functools.partial(cpu_weight_only.kernel_available, "cpu_ffi"),
             exact=False,
             summary="autopolicy's own CPU kernel through the XLA FFI: the stored bytes read once, values "
