@@ -21,10 +21,19 @@ within rounds, with their quartiles):
 The bandwidth probe sums a 256 MB float32 array (read once per call); at batch 1 each kernel's
 share of that limit is ``weight bytes / time / bandwidth``.
 
+At batch 1 (``--streamed-batches``) the candidates are timed as a decoder runs its layers
+instead: each in one program of at least 16 dependent calls cycling through copies of its weights
+(twice the largest cache, at least 64 MB, at most 64 copies; cells marked "cached" had fewer
+bytes than that), every candidate once per round in a fresh random order. In the timing loop a
+batch-1 call paid a fixed cost per timed call of up to a millisecond (a 4096 x 4096 int8 layer
+took 1.8 ms in a loop of one iteration, 0.63 ms per iteration in one of 16, 2-core EPYC) and
+read weights the cache still held from the call before, neither of which a model's layers do.
+
 Usage::
 
     python experiments/bench_cpu_kernels.py                 # every shape and batch, ~10 min on 2 cores
     python experiments/bench_cpu_kernels.py --batches 1 4 --shapes 576x1536 4096x4096 --out /tmp/k.md
+    python experiments/bench_cpu_kernels.py --batches 1 --streamed-batches   # batch 1 in the timing loop
 
 Without ``--out`` the report goes to ``reports/cpu-kernels-<device>.md``.
 """
@@ -36,6 +45,7 @@ import datetime
 import os
 import shlex
 import sys
+import time
 from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -147,7 +157,7 @@ def bandwidth(seconds: float = 2.0) -> float:
     return data.nbytes / float(np.median(times))
 
 
-def bench(m: int, k: int, n: int, repeats: int, seed: int, bw: float) -> list[dict[str, Any]]:
+def bench(m: int, k: int, n: int, repeats: int, seed: int) -> list[dict[str, Any]]:
     cands, nbytes = candidates(m, k, n, seed)
     timer = Timer(cands, warmup=1, seed=seed)
     for other in _other_paths():
@@ -160,23 +170,117 @@ def bench(m: int, k: int, n: int, repeats: int, seed: int, bw: float) -> list[di
     for name, t in timings.items():
         rows.append({"shape": f"{k}x{n}", "batch": m, "name": name, "median_us": t.median * 1e6,
                      "vs_float32": paired_ratio(timings[BASELINE], t),
-                     "bandwidth": nbytes[name] / t.median / bw})
+                     "bytes_per_s": nbytes[name] / t.median})
     return rows
+
+
+def _cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs; 32 MB where it cannot be read)."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size", encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def _chained(fn, length: int):
+    """``length`` dependent calls of ``fn(states[i % len(states)], x)``, one program: each call's x
+    is the previous one's plus a runtime zero times its output's first value, so no call starts
+    before the one before it ends, as a model's layers run."""
+    def run(states, x):
+        y = None
+        for i in range(length):
+            y = fn(states[i % len(states)], x)
+            x = x + (1e-30 * jax.tree_util.tree_leaves(y)[0].reshape(-1)[0]).astype(x.dtype)
+        return y
+    return jax.jit(run)
+
+
+def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
+                   target: float = 0.02, pause: float = 0.1) -> list[dict[str, Any]]:
+    """As :func:`bench`, but each candidate runs as a decoder meets its layers: in one program of
+    dependent calls cycling through copies of its weights, ``budget`` bytes of them (at most 64
+    copies), so that, where that is more than the caches hold, every call reads its weights from
+    memory. Per call: the program's time over its calls (a few programs back to back), every
+    candidate once per round in a fresh random order, ``pause`` seconds before each (on the 2-core
+    EPYC a 4096 x 4096 int8 layer took 1.65-1.75 ms right after XLA's int8 path, 1.29-1.40 ms
+    after a pause of 0.1-0.5 s, float32 4.34 against 3.65-3.79 ms: a transient of the machine,
+    not of the candidate), ratios paired within rounds."""
+    cands, nbytes = candidates(m, k, n, seed)
+    rng = np.random.default_rng(seed)
+    runners, resident = {}, {}
+    for name, cand in cands.items():
+        copies = int(min(64, max(1, -(-budget // max(1, nbytes[name])))))
+        length = max(16, copies)
+        states = [cand.state] + [jax.tree_util.tree_map(jnp.copy, cand.state) for _ in range(copies - 1)]
+        program, x = _chained(cand.fn, length), cand.inputs[0]
+        jax.block_until_ready(program(states, x))
+        start = time.perf_counter()
+        jax.block_until_ready(program(states, x))
+        reps = max(1, int(target / max(time.perf_counter() - start, 1e-6)))
+
+        def run(program=program, states=states, x=x, reps=reps, calls=reps * length):
+            start = time.perf_counter()
+            for _ in range(reps):
+                out = program(states, x)
+            jax.block_until_ready(out)
+            return (time.perf_counter() - start) / calls
+        path = next((p for p in _other_paths() if name.endswith(f" {p}")), None)
+        runners[name] = _on_path_timed(run, path) if path else run
+        resident[name] = copies * nbytes[name] < budget
+    samples = {name: [] for name in runners}
+    for _ in range(repeats):
+        for i in rng.permutation(len(runners)):
+            name = list(runners)[i]
+            time.sleep(pause)
+            samples[name].append(runners[name]())
+    base = np.asarray(samples[BASELINE])
+    rows = []
+    for name, times in samples.items():
+        ratios = base / np.asarray(times)
+        q25, q50, q75 = np.percentile(ratios, [25, 50, 75])
+        median = float(np.median(times))
+        rows.append({"shape": f"{k}x{n}", "batch": m, "name": name, "median_us": median * 1e6,
+                     "vs_float32": (float(q50), float(q25), float(q75)), "bytes_per_s": nbytes[name] / median,
+                     "streamed": not resident[name]})
+    return rows
+
+
+def _on_path_timed(run, path: str):
+    """``run`` (returning its time) with the kernels switched to ``path`` for the call."""
+    def call():
+        best = cpu_kernels.path()
+        cpu_kernels.set_path(path)
+        try:
+            return run()
+        finally:
+            cpu_kernels.set_path(best)
+    return call
 
 
 def _fmt(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.2f}x [{r[1]:.2f}-{r[2]:.2f}]"
 
 
-def markdown(rows: list[dict[str, Any]], bw: float, command: str) -> str:
+def markdown(rows: list[dict[str, Any]], bw: float, command: str, streamed: tuple[int, ...] = ()) -> str:
     device = current_device()
     cpu_model, _ = read_cpuinfo()
     path = cpu_kernels.path() if cpu_kernels.AVAILABLE else f"not available ({cpu_kernels.unavailable_reason()})"
     lines = [f"# autopolicy's CPU kernels (XLA FFI) on {cpu_model or device.device_kind}", "",
              f"Measured {datetime.date.today()} with `{command}`.", ""] + device_lines(device, cpu_model) + [
-             f"- CPU kernel path: `{path}`; memory bandwidth (read-only sum of 256 MB): {bw / 1e9:.1f} GB/s", "",
+             f"- CPU kernel path: `{path}`; memory bandwidth (read-only sum of 256 MB, the highest of the "
+             f"probes before each shape): {bw / 1e9:.1f} GB/s", "",
              "Each cell: median time per call, and the paired ratio to float32 (median [quartiles] over rounds; "
              "> 1 is faster); at batch 1, the share of the bandwidth limit (weight bytes / time / bandwidth).", ""]
+    if streamed:
+        lines += [f"Batch{'es' if len(streamed) > 1 else ''} {', '.join(map(str, streamed))}: timed as a decoder runs its layers, in programs of "
+                  "dependent calls cycling through copies of the weights (\"cached\": fewer bytes of copies than "
+                  "twice the largest cache, so partly read from it); other batches in the search's timing loop.", ""]
     names = list(dict.fromkeys(r["name"] for r in rows))
     lines += ["| shape K x N | batch | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for key in dict.fromkeys((r["shape"], r["batch"]) for r in rows):
@@ -189,7 +293,7 @@ def markdown(rows: list[dict[str, Any]], bw: float, command: str) -> str:
                 continue
             cell = f"{r['median_us']:.0f} us, {_fmt(r['vs_float32'])}"
             if key[1] == 1:
-                cell += f", {100 * r['bandwidth']:.0f}% bw"
+                cell += f", {100 * r['bytes_per_s'] / bw:.0f}% bw" + ("" if r.get("streamed", True) else " (cached)")
             text.append(cell)
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(text) + " |")
     return "\n".join(lines) + "\n"
@@ -201,6 +305,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default: 9 at batch <= 32, else 5)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--streamed-batches", nargs="*", type=int, default=[1],
+                        help="batches timed as a decoder runs its layers: chains of dependent calls "
+                             "cycling through copies of the weights (default: 1; none: every batch in the timing loop)")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
@@ -214,13 +321,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes:
         k, n = (int(v) for v in shape.lower().split("x"))
+        bw = max(bw, bandwidth(1.0))  # the machine's memory is shared: the limit is the best it gave
         for m in args.batches:
             repeats = args.repeats or (9 if m <= 32 else 5)
-            new = bench(m, k, n, repeats, args.seed, bw)
+            if m in args.streamed_batches:
+                new = bench_streamed(m, k, n, repeats, args.seed, budget=max(64 << 20, 2 * _cache_bytes()))
+            else:
+                new = bench(m, k, n, repeats, args.seed)
             rows += new
             print(f"{k}x{n} batch {m}: " + ", ".join(f"{r['name']} {_fmt(r['vs_float32'])}" for r in new),
                   file=sys.stderr)
-    text = markdown(rows, bw, command)
+    text = markdown(rows, bw, command, tuple(sorted(set(args.streamed_batches) & set(args.batches))))
     cpu_model, _ = read_cpuinfo()
     out = args.out or os.path.join("reports", f"cpu-kernels-{device_slug(current_device(), cpu_model)}.md")
     _atomic.write_text(out, text)

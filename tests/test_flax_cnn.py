@@ -51,6 +51,7 @@ def test_layers_in_execution_order(exp):
     assert adapter.layers()[0].input_shape == (256, 8, 8, 1)
 
 
+@pytest.mark.slow  # 5-10 s on a 2-core EPYC
 def test_trained_float_model_is_accurate_and_cached(mod, exp, tmp_path):
     assert exp.eval_fn(exp.model) > MIN_ACCURACY
     assert exp.test_fn(exp.model) > MIN_ACCURACY

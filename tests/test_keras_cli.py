@@ -75,6 +75,7 @@ def test_tune_a_keras_file_writes_the_map_and_the_tuned_model(files, fake_clock,
     np.testing.assert_array_equal(np.asarray(tuned(IDS)), np.asarray(expected(IDS)))
 
 
+@pytest.mark.slow  # 5-10 s on a 2-core EPYC
 def test_apply_writes_a_tuned_model_that_reloads_with_the_same_outputs(files, capsys):
     policy_map = policies.DTypePolicyMap("float32", {"attn/query": "int8_from_float32", "attn/value": "mixed_bfloat16",
                                                      "head": "int8_from_float32"})

@@ -92,6 +92,7 @@ def test_a_kernel_the_layer_cannot_run_is_refused_naming_the_valid_ones(adapter)
             pass
 
 
+@pytest.mark.slow  # 5-10 s on a 2-core EPYC
 def test_chosen_kernels_run_in_the_models_the_adapter_hands_out(adapter):
     if "u8s8" not in adapter.layer_kernels("up", INT8):
         pytest.skip("this device times one int8 kernel only")

@@ -51,6 +51,7 @@ def test_core_import_is_light():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow  # 5-10 s on a 2-core EPYC
 def test_autopolicy_keras_is_an_attribute_imported_on_first_use():
     pytest.importorskip("keras", reason="autopolicy.keras needs the keras extra")
     code = (
