@@ -11,11 +11,11 @@ be equal, int4 within float32 rounding (builds may round the block sums differen
 With ``--layers`` it times whole layers instead (float input, float output), as a model runs
 them: a jitted chain of ``--chain`` dependent calls (each input nudged by the previous output,
 so no call overlaps another; each variant cycling through its own copies of the weights, about
-64 MB of them, so they stream from memory as a decoder's do), per call: float32 XLA dot; the other build's fused int8 and int4 layer
-handlers (for a build older than them: its int8 and int4 kernels between the package's XLA
-quantization and rescale); and the installed build's fused ``cpu_kernels.int8_dense`` /
-``int4_dense``.
-Outputs must be equal (int8, int4 per channel) bit for bit.
+64 MB of them, so they stream from memory as a decoder's do), per call: float32 XLA dot; the
+other build's fused int8 and int4 layer handlers (for a build older than them: its int8 and int4
+kernels between the package's XLA quantization and rescale); and the installed build's fused
+``cpu_kernels.int8_dense`` / ``int4_dense``. Outputs must be equal (int8, int4 per channel) bit
+for bit.
 
 With ``--weight-only`` it times the GPTQ/AWQ kernel (``cpu_weight_only.weight_only_matmul``)
 of both builds instead, kernel alone, for 8 and 4 bits per channel, 4 bits in groups of 32 and
