@@ -132,12 +132,13 @@ def _other_paths() -> list[str]:
 
 
 def _on_path(run, path: str):
-    """``run`` with the kernels switched to ``path`` for the call (and back after)."""
+    """``run`` with the kernels switched to ``path`` for the call (and back after); returns what
+    ``run`` returns."""
     def call():
         best = cpu_kernels.path()
         cpu_kernels.set_path(path)
         try:
-            run()
+            return run()
         finally:
             cpu_kernels.set_path(best)
     return call
@@ -231,7 +232,7 @@ def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
             jax.block_until_ready(out)
             return (time.perf_counter() - start) / calls
         path = next((p for p in _other_paths() if name.endswith(f" {p}")), None)
-        runners[name] = _on_path_timed(run, path) if path else run
+        runners[name] = _on_path(run, path) if path else run
         resident[name] = copies * nbytes[name] < budget
     samples = {name: [] for name in runners}
     for _ in range(repeats):
@@ -249,18 +250,6 @@ def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
                      "vs_float32": (float(q50), float(q25), float(q75)), "bytes_per_s": nbytes[name] / median,
                      "streamed": not resident[name]})
     return rows
-
-
-def _on_path_timed(run, path: str):
-    """``run`` (returning its time) with the kernels switched to ``path`` for the call."""
-    def call():
-        best = cpu_kernels.path()
-        cpu_kernels.set_path(path)
-        try:
-            return run()
-        finally:
-            cpu_kernels.set_path(best)
-    return call
 
 
 def _fmt(r: tuple[float, float, float]) -> str:

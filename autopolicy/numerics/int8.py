@@ -158,19 +158,18 @@ def _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype, kernel_
 
         def ffi(x_, kq, ks):
             y = _int8_accumulate.ffi_dense(equation, x_, kq, ks, compute_dtype)
-            if y is None:
-                x_q, x_scale = quantize_symmetric(x_, contracted_axes(equation)[0])
-                acc = int8_accumulate(equation, x_q, kq, "cpu_ffi", kernel_colsum)
-                y = _rescale(equation, acc, x_scale, ks).astype(compute_dtype)
-            return y
+            return _quantized_product(equation, x_, kq, ks, compute_dtype, kernel_colsum, kernel) if y is None else y
 
         _int8_accumulate._resolve_einsum_kernel("cpu_ffi", equation)  # pylint: disable=protected-access  # raises early
         return cpu_kernels.on_cpu(ffi, xla, x, kernel_q, kernel_scale), residuals
-    x_axes, _ = contracted_axes(equation)
-    x_q, x_scale = quantize_symmetric(x, x_axes)
+    return _quantized_product(equation, x, kernel_q, kernel_scale, compute_dtype, kernel_colsum, kernel), residuals
+
+
+def _quantized_product(equation, x, kernel_q, kernel_scale, compute_dtype, kernel_colsum, kernel):
+    """x quantized per row around the contraction, the int8 kernel's accumulators, rescaled."""
+    x_q, x_scale = quantize_symmetric(x, contracted_axes(equation)[0])
     acc = int8_accumulate(equation, x_q, kernel_q, kernel, kernel_colsum)
-    y = _rescale(equation, acc, x_scale, kernel_scale)
-    return y.astype(compute_dtype), (x, kernel_q, kernel_scale, kernel_colsum)
+    return _rescale(equation, acc, x_scale, kernel_scale).astype(compute_dtype)
 
 
 def _int8_einsum_bwd(equation, compute_dtype, kernel, residuals, g):

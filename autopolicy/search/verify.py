@@ -366,9 +366,10 @@ MIN_PAIRED_ROUNDS = 3
 def unsettled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[Configuration]) -> list[Configuration]:
     """What the final rounds must still time: float32 and every configuration whose speed-up
     over it is not yet clearly above or clearly below the margin (its interval straddles it, or
-    they have not yet shared the rounds an interval needs); empty once none is left. A configuration already decided is
-    timed no more: the rounds go to the close calls (:func:`decide` reads the speed-ups over
-    float32 first, and gives close calls between other configurations extra rounds of their own)."""
+    they have not yet shared the rounds an interval needs); empty once none is left. A
+    configuration already decided is timed no more: the rounds go to the close calls
+    (:func:`decide` reads the speed-ups over float32 first, and gives close calls between other
+    configurations extra rounds of their own)."""
     if e2e.failure(float32):
         return []
     timed = [c for c in others if not e2e.failure(c)]
@@ -376,7 +377,6 @@ def unsettled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[
         # Every pair gets an interval first: decide may compare any two (a map with the uniform
         # policy it challenges), and two configurations decided at once would share no more rounds.
         return [float32] + timed
-    # (float32 is timed in every round another configuration is)
     open_ = [c for c in timed if e2e.speedup(c, float32).straddles(ctx.min_speedup)]
     return [float32] + open_ if open_ else []
 
@@ -385,8 +385,8 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
            models: Models, e2e: EndToEnd) -> tuple[Configuration, list[Configuration], int, list[str]]:
     """Times every configuration together (paired rounds in steps of half the repeats, up to
     twice the repeats; after each step only float32 and the configurations whose speed-up over
-    it is not yet clearly on one side of the margin, until none is: see :func:`unsettled`), scores the uniform policies that could matter, and
-    decides with confidence (:func:`decide`).
+    it is not yet clearly on one side of the margin, until none is: see :func:`unsettled`),
+    scores the uniform policies that could matter, and decides with confidence (:func:`decide`).
 
     Returns the winner, every configuration (maps, then uniform policies, with their
     end-to-end figures), the evaluations spent only to report the best uniform policy, and the
