@@ -108,6 +108,33 @@ def test_a_noisy_timing_measured_again_keeps_the_earlier_kernel_unless_another_i
     assert dict(again["int8_from_float32"].tactics) == pytest.approx({k: 1e-3 * v for k, v in second_run.items()})
 
 
+def test_layers_of_one_signature_keep_the_earlier_kernel_alike_when_measured_again(monkeypatch, tmp_path):
+    # The first layer of a signature measures again; the others read its new record, which keeps
+    # the earlier run's median, so they decide as it did (not by the new timings alone).
+    twins = nn.Sequential([nn.Dense(48, name="a"), nn.Dense(48, name="b")], name="t").build(jax.random.key(1), X)
+    monkeypatch.setattr(kernels, "current_device", lambda: AVX2)
+    monkeypatch.setattr(cpu_kernels, "AVAILABLE", False)
+    adapter = get_adapter(twins, (X,), [(X,)])
+    sites = profiling.sites(adapter.layers(), [policies.get("int8_from_float32")])
+    assert [s.layer.signature for s in sites[:1]] == [sites[1].layer.signature]
+    s8s8, u8s8 = "int8_from_float32@s8s8", "int8_from_float32@u8s8"
+    with MeasurementCache(str(tmp_path)) as cache:
+        monkeypatch.setattr(search.timing, "measure", _timed_as({s8s8: 1.2e-3, u8s8: 1.0e-3, "float32": 2e-3}, cv=0.3))
+        fresh = set()  # keys measured in this run
+        first = [profiling.layer_latency(adapter, site, cache, "fp", repeats=3, fresh=fresh) for site in sites]
+    assert [t["int8_from_float32"].kernel for t in first] == ["u8s8", "u8s8"]
+    with MeasurementCache(str(tmp_path)) as cache:  # s8s8 25% faster now: 2.5% on both runs
+        measure, measured = _timed_as({s8s8: 0.75e-3, u8s8: 1.0e-3, "float32": 2e-3}, cv=0.3), []
+        monkeypatch.setattr(search.timing, "measure", lambda todo, **kw: measured.append(sorted(todo)) or measure(todo, **kw))
+        fresh = set()
+        again = [profiling.layer_latency(adapter, site, cache, "fp", repeats=3, fresh=fresh) for site in sites]
+        assert measured == [["float32", s8s8, u8s8]]  # once: the second layer reads the first's new records
+        record = cache.lookup(profiling.key("fp", "latency", sites[1].layer.signature, "int8_from_float32", "s8s8",
+                                            3, search.timing.METHOD))
+    assert [t["int8_from_float32"].kernel for t in again] == ["u8s8", "u8s8"]
+    assert (record["latency_s"], record["previous_latency_s"], record["remeasured"]) == (0.75e-3, 1.2e-3, True)
+
+
 def test_the_search_times_every_kernel_and_keeps_the_fastest(model, monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "current_device", lambda: VNNI)  # both int8 kernels worth timing
     adapter = get_adapter(model, (X,), [(X,)])

@@ -116,13 +116,14 @@ def layer_latency(
     real shape, and keeps the fastest (its ``kernel``; every kernel's median is in ``tactics``).
     Layers with equal signatures share their cached timings: identical blocks are timed once. A
     cached timing whose spread says it was noisy is measured again, once, in a later run, which
-    keeps the earlier run's kernel unless another is clearly faster on both runs' timings.
+    keeps the earlier run's kernel unless another is clearly faster on both runs' timings (the
+    earlier median is kept in the new record, so every layer of that signature decides alike).
     ``finite`` says whether the output on the real input is free of inf/NaN (a float16 overflow
     disqualifies the policy).
     """
     fresh = set() if fresh is None else fresh  # keys measured in this run: trusted as they are
     records: dict[str, dict] = {}
-    earlier: dict[str, dict] = {}  # every cached record, trusted or about to be measured again
+    earlier: dict[str, dict] = {}  # cached records about to be measured again
     todo: dict[str, timing.Candidate] = {}
     keys, again = {}, {}
     variants = _variants(adapter, site)
@@ -131,8 +132,6 @@ def layer_latency(
         keys[name] = key(fingerprint, "latency", site.layer.signature, policy.name, kernel or "", repeats,
                          timing.METHOD)
         cached = cache.lookup(keys[name])
-        if cached is not None:
-            earlier[name] = cached
         # A noisy timing from an earlier run is measured again (once) rather than trusted.
         trusted = cached is not None and (keys[name] in fresh or cached.get("latency_cv", 0.0) <= NOISY_CV
                                           or cached.get("remeasured", True))
@@ -140,6 +139,8 @@ def layer_latency(
             records[name] = cached
             continue
         again[name] = cached is not None
+        if cached is not None:
+            earlier[name] = cached
         # Adapters without a choice of kernels take no kernel argument.
         program = adapter.layer_program(site.path, policy, kernel) if kernel else adapter.layer_program(site.path, policy)
         todo[name] = _as_candidate(program)
@@ -168,6 +169,8 @@ def layer_latency(
                       "repeats": t.repeats, "inner": t.inner, "finite": _finite(result),
                       "nbytes": adapter.layer_bytes(site.path, policy), "remeasured": again[name],
                       "output_error": relative_error(reference, result), "kernel": kernel or ""}
+            if name in earlier:
+                record["previous_latency_s"] = earlier[name]["latency_s"]
             if _sharding.spans_devices((cand.state, cand.inputs)):  # what XLA inserted between devices
                 record["collectives"] = _sharding.collectives(plain[name].result().as_text())
             records[name] = cache.put(keys[name], record, share=True)
@@ -175,20 +178,26 @@ def layer_latency(
     out = {}
     for policy in site.candidates:
         mine = [(_variant_name(p, k), k) for p, k in variants if p == policy]
-        names = [n for n, _ in mine]
-        best = _winner(names, records)
-        if all(n in earlier for n in names):
-            # A noisy timing measured again: the kernel the earlier run chose stays unless another
-            # is clearly faster on both runs' timings together (the mean of the two medians), so
-            # that choices within the noise do not flip (each flip changes the models, and their
-            # end-to-end timings could not be reused).
-            before = _winner(names, earlier)
-            both = {n: (earlier[n]["latency_s"] + records[n]["latency_s"]) / 2 for n in names}
-            fastest = min(names, key=both.get)
-            best = fastest if both[fastest] < (1.0 - TACTIC_MARGIN) * both[before] else before
+        best = _kept([n for n, _ in mine], records)
         tactics = tuple((k, records[n]["latency_s"]) for n, k in mine if k)
         out[policy.name] = dataclasses.replace(LayerTiming.from_record(records[best]), tactics=tactics)
     return out
+
+
+def _kept(names: Sequence[str], records: dict[str, dict]) -> str:
+    """The kernel a layer keeps: :func:`_winner` of its timings, or, where some were measured
+    again in this run (their records hold the earlier run's median), the earlier run's winner
+    unless another is clearly faster on both runs' timings together (the mean of the two medians),
+    so that choices within the noise do not flip: each flip changes the models, and their end-to-end
+    timings could not be reused. A timing measured once counts as both runs' (the same median).
+    Decided from the records alone, so every layer of a signature keeps the same kernel."""
+    if not any("previous_latency_s" in records[n] for n in names):
+        return _winner(names, records)
+    earlier = {n: {"latency_s": records[n].get("previous_latency_s", records[n]["latency_s"])} for n in names}
+    before = _winner(names, earlier)
+    both = {n: (earlier[n]["latency_s"] + records[n]["latency_s"]) / 2 for n in names}
+    fastest = min(names, key=both.get)
+    return fastest if both[fastest] < (1.0 - TACTIC_MARGIN) * both[before] else before
 
 
 def _winner(names: Sequence[str], records: dict[str, dict]) -> str:
