@@ -223,7 +223,9 @@ def build(cache_dir) -> Experiment:
         eval_fn=retrieval_metric(sets["val"]),
         test_fn=retrieval_metric(sets["test"]),
         sample_input=(ids[:BATCH], mask[:BATCH]),
-        calibration_inputs=[(ids[:64], mask[:64])],
+        # Two batches of the eval's shape, not one of 64 rows: the scorer's calibration outputs
+        # and the eval then run one compiled program per candidate, not two.
+        calibration_inputs=[(ids[i : i + BATCH], mask[i : i + BATCH]) for i in (0, BATCH)],
         max_drop=0.01,  # one point of accuracy: at most 1 of the 192 queries lost
         relative=False,
         metric_name="top-1 neighbour-sentence retrieval accuracy",
