@@ -157,3 +157,50 @@ def test_a_second_run_into_a_new_directory_reuses_compilations_and_timings_and_s
     assert alone["cache"]["shared_hits"] == 0
     assert (machine / "measurements" / "measurements.json").read_text() == before
     assert os.listdir(tmp_path / "run3" / "cache" / "jax")
+
+
+def test_sensitivity_compiles_each_candidate_ahead_and_scores_it_compiled(monkeypatch):
+    """While one candidate is scored, the next one's model compiles in the compile pool: scoring
+    (its calibration outputs and an eval_fn on batches of that shape) compiles nothing more."""
+    import threading
+
+    import autopolicy.nn as nn
+    from autopolicy import search
+    from autopolicy.search import accuracy, sensitivity
+    from tests.helpers import gaussian
+
+    x = gaussian((16, 24), seed=11)
+    model = nn.Sequential([nn.Dense(32, activation="relu", name="a"), nn.Dense(8, name="b")], name="m")
+    model = model.build(jax.random.key(2), x)
+    y = np.asarray(model(x))
+    ahead, in_scoring, scoring = [], [], threading.local()
+    prefetch, score = sensitivity.Scorer.prefetch, accuracy._score
+
+    def counted(self, candidate):
+        ahead.append(prefetch(self, candidate))
+        return ahead[-1]
+
+    def scored(*args, **kwargs):
+        scoring.on = True
+        try:
+            return score(*args, **kwargs)
+        finally:
+            scoring.on = False
+
+    def on_compile(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and getattr(scoring, "on", False):
+            in_scoring.append(duration)  # a compilation on the scoring thread, while it scores
+
+    monkeypatch.setattr(sensitivity.Scorer, "prefetch", counted)
+    monkeypatch.setattr(accuracy, "_score", scored)
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        result = search.tune(model, lambda m: -float(np.mean((np.asarray(m(x)) - y) ** 2)), x,
+                             candidates=["float32", "mixed_bfloat16", "int8_from_float32"], max_drop=0.5,
+                             relative=False, calibration_inputs=[(x,)], profile_accuracy="always",
+                             repeats=3, progress=False, confirm_seconds=0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    assert result.accuracy.evaluations == 4  # two layers, two candidates each
+    assert in_scoring == []
+    assert len(ahead) == 4 and all(f.done() and f.exception() is None for f in ahead)

@@ -11,6 +11,7 @@ chosen one included, uses those weights: what is timed and scored is what ships.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 
 from autopolicy import policies
 from autopolicy.nn import _base, _context
-from autopolicy.nn._module import Module
+from autopolicy.nn._module import Module, _jit_call
 from autopolicy.nn.calibration import calibrate
 from autopolicy.nn.weight_calibration import calibrate_weights, with_calibrated_placeholders
 from autopolicy.numerics import kernels
@@ -93,6 +94,11 @@ def _call_layer(layer: Module, args: tuple, kwargs: dict) -> Any:
 
 def _call_model(model: Module, *args: Any) -> Any:
     return model(*args)
+
+
+def _lower_model_call(model: Module, *args: Any) -> Any:
+    """The lowering of ``model(*args)`` called from Python (a model runs compiled as a whole)."""
+    return _jit_call.lower(model, args, {}, training=False)
 
 
 class NNAdapter:
@@ -240,7 +246,8 @@ class NNAdapter:
         return self._runner.outputs(path, policy, captured.inputs.get(path, ()))
 
     def model_program(self, model: Module) -> Program:
-        return Program(_call_model, self.sample_args, model, compiled=model)
+        return Program(_call_model, self.sample_args, model, compiled=model,
+                       lower=functools.partial(_lower_model_call, model))
 
     def weights_digest(self) -> str:
         return digest_arrays(self.model)

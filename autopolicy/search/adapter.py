@@ -119,6 +119,10 @@ class Program:
     #: call (an ``autopolicy.nn`` model called from Python), so that running it shares the
     #: compilation the user's ``eval_fn`` triggers on the same model and shapes.
     compiled: Callable[..., Any] | None = None
+    #: Optional ``lower(*args)``: the ``jax.stages.Lowered`` of ``compiled`` on ``args``. Compiling
+    #: it (in another thread) ahead of ``run`` leaves ``run`` the compiled program: JAX keeps the
+    #: executable for the same lowering.
+    lower: Callable[..., Any] | None = None
 
     def call(self, state: Any, args: tuple) -> Any:
         return self.fn(state, *args)

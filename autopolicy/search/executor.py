@@ -166,14 +166,20 @@ def _loaded(ref: Any) -> _Loaded:
     return _LOADED[ref.digest]
 
 
-def score(adapter: Any, scorer: Any, path: str, policy_name: str) -> dict[str, Any]:
+def score(adapter: Any, scorer: Any, path: str, policy_name: str, model: Any = None) -> dict[str, Any]:
     """The figures of ``path`` switched alone to ``policy_name`` (the rest float32): metric,
     SQNR, KL and whether its outputs are finite. The one definition the target and the workers
-    share."""
+    share. ``model``: that model, where the caller built it already (:func:`candidate_model`)."""
+    if model is None:
+        model = candidate_model(adapter, path, policy_name)
+    return scorer.score(model, f"{path} as {policy_name}")
+
+
+def candidate_model(adapter: Any, path: str, policy_name: str) -> Any:
+    """The model with the layer at ``path`` alone under ``policy_name``, the rest float32."""
     from autopolicy import policies  # pylint: disable=import-outside-toplevel
 
-    model = adapter.with_policies(adapter.complete_map({path: policies.get(policy_name)}))
-    return scorer.score(model, f"{path} as {policy_name}")
+    return adapter.with_policies(adapter.complete_map({path: policies.get(policy_name)}))
 
 
 def score_remote(ref: Any, path: str, policy_name: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ candidate whose outputs contain inf or NaN, or whose metric is not finite, is di
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from typing import Any, Callable, Sequence
 
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopolicy import _multihost
-from autopolicy.search import _checks
+from autopolicy.search import _checks, timing
 
 __all__ = ["fidelity", "check_metric", "Scorer"]
 
@@ -83,6 +84,16 @@ class Scorer:
     def outputs(self, model: Any) -> list[Any]:
         program = self.adapter.model_program(model)
         return [program.run(*batch) for batch in self.calibration]
+
+    def prefetch(self, model: Any) -> concurrent.futures.Future | None:
+        """Compiles ``model``'s program for the first calibration batch in the background, where
+        the adapter's program can be lowered ahead (:attr:`Program.lower`); None where it cannot.
+        :meth:`outputs`, and an ``eval_fn`` calling the model on batches of that shape, then find
+        it compiled."""
+        program = self.adapter.model_program(model)
+        if program.lower is None or not self.calibration:
+            return None
+        return timing.compile_lowered(program.lower(*self.calibration[0]))
 
     def metric(self, model: Any, what: str) -> float:
         self.evaluations += 1

@@ -33,7 +33,7 @@ import numpy as np
 from autopolicy import _multihost
 from autopolicy.numerics import _sharding
 
-__all__ = ["Timing", "Candidate", "Timer", "choose_inner", "compile_async", "compile_loop", "check_carry", "measure", "summarize"]
+__all__ = ["Timing", "Candidate", "Timer", "choose_inner", "compile_async", "compile_lowered", "compile_loop", "check_carry", "measure", "summarize"]
 
 #: Part of every cached timing's key: measurements taken by an older method (or an older kernel
 #: implementation) are not reused.
@@ -194,7 +194,12 @@ def compile_async(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Futu
     """``jax.jit(fn)`` lowered for ``args`` here and compiled in the pool that compiles timing
     loops: the future's result is the compiled program (call it with ``args``). Pass the future
     to :func:`measure` (``pending``) so that it is compiled before anything is timed."""
-    return _compile_pool().submit(jax.jit(fn).lower(*args).compile)
+    return compile_lowered(jax.jit(fn).lower(*args))
+
+
+def compile_lowered(lowered: Any) -> concurrent.futures.Future:
+    """``lowered.compile()`` (a ``jax.stages.Lowered``) in the pool that compiles timing loops."""
+    return _compile_pool().submit(lowered.compile)
 
 
 def _compile_pool() -> concurrent.futures.ThreadPoolExecutor:
