@@ -52,7 +52,8 @@ EXPERIMENT = textwrap.dedent('''
 
 
 def interrupt_once(workdir: pathlib.Path, delay: float, timeout: float = 300.0, root: pathlib.Path = ROOT,
-                   progress: bool = False, reuse: bool = False) -> tuple[str, int, str]:
+                   progress: bool = False, reuse: bool = False, profile_accuracy: str | None = None
+                   ) -> tuple[str, int, str]:
     """Runs one tune, interrupts it ``delay`` s after the first flush; ("clean"|"finished"|"crash", rc, tail)."""
     experiment = workdir / "tiny.py"
     if not experiment.exists():
@@ -62,6 +63,7 @@ def interrupt_once(workdir: pathlib.Path, delay: float, timeout: float = 300.0, 
     proc = subprocess.Popen(
         [sys.executable, "-m", "autopolicy", "tune", str(experiment), "--out", str(out), "--repeats", "3",
          "--no-report", *([] if progress else ["--no-progress"]),
+         *(["--profile-accuracy", profile_accuracy] if profile_accuracy else []),
          # (a checkout from before the machine-wide cache has no such flag, nor needs it)
          *(["--no-shared-cache"] if not reuse and "--no-shared-cache" in (root / "autopolicy" / "cli.py").read_text()
            else [])],
@@ -91,6 +93,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tries", type=int, default=50)
     parser.add_argument("--window", type=float, default=1.5, help="seconds after the first flush")
+    parser.add_argument("--earliest", type=float, default=0.0,
+                        help="the shortest delay: signals land between this and --window s after the first flush")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=pathlib.Path, default=ROOT,
                         help="the checkout whose autopolicy runs (to compare before and after a change)")
@@ -98,14 +102,17 @@ def main(argv=None) -> int:
     parser.add_argument("--reuse", action="store_true",
                         help="use the machine-wide cache ($AUTOPOLICY_CACHE): runs finish sooner, so more signals "
                              "land as a run ends")
+    parser.add_argument("--profile-accuracy", choices=["auto", "first_order", "measure", "always"], default=None,
+                        help="passed to tune: 'always' scores every candidate (signals land while the next "
+                             "candidate compiles in the background)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     counts = {"clean": 0, "finished": 0, "crash": 0}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.tries):
-            delay = rng.uniform(0.0, args.window)
+            delay = rng.uniform(args.earliest, args.window)
             outcome, rc, tail = interrupt_once(pathlib.Path(tmp), delay, root=args.root, progress=args.progress,
-                                               reuse=args.reuse)
+                                               reuse=args.reuse, profile_accuracy=args.profile_accuracy)
             counts[outcome] += 1
             print(f"try {i + 1:2d}: delay {delay:.3f} s -> {outcome} (exit {rc}) {tail[:160]}", flush=True)
     print(f"crashes: {counts['crash']}/{args.tries} (clean interrupts {counts['clean']}, "
