@@ -19,6 +19,7 @@ from autopolicy.search.phases import Budget
 from tests.test_adapter import PARAMS, X, TwoMatmuls, TwoMatmulsAdapter, _matmul, fidelity
 from tests.test_decisions import QUICK, SlowFloat32Adapter
 from tests.test_exclusions import W1, W2
+from tests.helpers import report_markdown
 
 
 def loss(model):
@@ -136,12 +137,8 @@ def test_the_summary_states_the_direction_and_the_allowed_rise(loss_run):
 
 
 def test_the_report_says_rise_and_maximum(loss_run, tmp_path):
-    from autopolicy import report  # pylint: disable=import-outside-toplevel
-
     loss_run.save(str(tmp_path))
-    written = report.write_report(str(tmp_path))
-    with open(written["markdown"], encoding="utf-8") as f:
-        text = f.read()
+    text = report_markdown(str(tmp_path))
     assert "Allowed rise" in text and "10% of float32" in text and "Maximum metric" in text
     assert "(lower is better)" in text and "Allowed drop" not in text
     assert "| rise |" in text.replace("  ", " ")

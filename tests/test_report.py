@@ -13,6 +13,7 @@ import pytest
 
 from autopolicy import policies, report, search
 from autopolicy.report import tables
+from tests.helpers import report_markdown
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DEVICE = "cpu: Test CPU @ 3.00GHz (4 cores; avx2, fma); jax 0.0.test"
@@ -187,8 +188,9 @@ def test_write_report_writes_markdown_html_and_valid_pngs(written):
 
 
 def test_markdown_has_device_headline_map_and_figure_links(written):
-    _, paths = written
+    run_dir, paths = written
     md = _read(paths["markdown"])
+    assert report_markdown(run_dir) == md  # the tests' text-only helper writes the same Markdown
     assert DEVICE in md
     assert ("**Speedup vs float32:** 2.01× [1.93, 2.09] (40 rounds) (median of paired per-round ratios, 95% "
             "interval; measured end to end: 2 ms vs 4 ms)") in md
@@ -315,8 +317,7 @@ def test_html_shows_the_warning_and_the_decision_lines(written):
 
 
 def test_a_quiet_run_without_decisions_says_float32_stays(tmp_path):
-    paths = report.write_report(write_run(tmp_path / "run", all_float32=True))
-    md = _read(paths["markdown"])
+    md = report_markdown(write_run(tmp_path / "run", all_float32=True))
     assert "Warning" not in md
     assert "- **Verdict:** quiet" in md
     assert "No configuration that met the budget challenged float32, so float32 stays." in md
@@ -490,7 +491,7 @@ def test_a_first_order_run_states_each_candidates_fitted_scale(tmp_path):
     summary.update(accuracy_profile="first_order", accuracy_scales={"int8_from_float32": 0.5644, "mixed_bfloat16": 0.0})
     with open(path, "w") as f:
         json.dump(summary, f)
-    md = _read(report.write_report(run_dir, tmp_path / "out")["markdown"])
+    md = report_markdown(run_dir)
     assert ("(first-order sensitivity, autopolicy.search.first_order), in the metric's units; then each candidate's "
             "costs scaled so that they add up to its uniform policy's measured change (scales: int8_from_float32 "
             "0.564, mixed_bfloat16 0)") in md
