@@ -122,6 +122,8 @@ def test_the_experiment_scores_float32_like_the_reference(minilm, checkpoint):
     ids, mask = exp.sample_input
     assert ids.shape == mask.shape == (minilm.BATCH, minilm.SEQ) and ids.dtype == jnp.int32
     assert int(mask.sum()) < mask.size  # a realistic batch: padded sentences of several lengths
+    # Calibration batches of the eval's shape: a scored candidate compiles one program.
+    assert [tuple(a.shape for a in batch) for batch in exp.calibration_inputs] == [(ids.shape, mask.shape)] * 2
     sets = minilm.retrieval_sets(minilm.tokenizer())
     val_ids, val_mask = sets["val"]
     assert val_ids.shape == (2 * minilm.PAIRS, minilm.SEQ)
