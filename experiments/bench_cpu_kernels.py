@@ -240,14 +240,11 @@ def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
             name = list(runners)[i]
             time.sleep(pause)
             samples[name].append(runners[name]())
-    base = np.asarray(samples[BASELINE])
     rows = []
     for name, times in samples.items():
-        ratios = base / np.asarray(times)
-        q25, q50, q75 = np.percentile(ratios, [25, 50, 75])
         median = float(np.median(times))
         rows.append({"shape": f"{k}x{n}", "batch": m, "name": name, "median_us": median * 1e6,
-                     "vs_float32": (float(q50), float(q25), float(q75)), "bytes_per_s": nbytes[name] / median,
+                     "vs_float32": paired_ratio(samples[BASELINE], times), "bytes_per_s": nbytes[name] / median,
                      "streamed": not resident[name]})
     return rows
 

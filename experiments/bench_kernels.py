@@ -44,7 +44,7 @@ import re
 import shlex
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -268,9 +268,10 @@ def relative_error(y: np.ndarray, reference: np.ndarray) -> float:
 # --- paired ratios -----------------------------------------------------------------------------
 
 
-def paired_ratio(slow: Timing, fast: Timing) -> tuple[float, float, float]:
-    """Median and quartiles of ``slow / fast`` over the rounds (> 1: ``fast`` is faster)."""
-    ratios = np.asarray(slow.samples) / np.asarray(fast.samples)
+def paired_ratio(slow: Timing | Sequence[float], fast: Timing | Sequence[float]) -> tuple[float, float, float]:
+    """Median and quartiles of ``slow / fast`` over the rounds (> 1: ``fast`` is faster); each a
+    Timing or its samples, one per round."""
+    ratios = np.asarray(getattr(slow, "samples", slow)) / np.asarray(getattr(fast, "samples", fast))
     q25, q50, q75 = np.percentile(ratios, [25, 50, 75])
     return float(q50), float(q25), float(q75)
 

@@ -96,14 +96,3 @@ def ops_outside_loops(hlo_text, pattern=r"\b(dot|convolution)\("):
                     outside.add(callee)
                     todo.append(callee)
     return [line.strip() for name in outside for line in computations.get(name, []) if re.search(pattern, line)]
-
-
-def report_markdown(run_dir) -> str:
-    """The Markdown ``autopolicy.report.write_report`` writes for ``run_dir``, without drawing its
-    figures (the same blocks; for tests of the text alone: a report's four figures take about 2 s
-    to draw on two cores)."""
-    from autopolicy import report  # pylint: disable=import-outside-toplevel
-    from autopolicy.report import _document, _sections  # pylint: disable=import-outside-toplevel
-
-    figures = {name: f"figures/{name}.png" for name in report.FIGURES}
-    return _document.to_markdown(_sections.report_blocks(report.read_run(run_dir), run_dir, figures))

@@ -19,7 +19,7 @@ from autopolicy.search.phases import Budget
 from tests.test_adapter import PARAMS, X, TwoMatmuls, TwoMatmulsAdapter, _matmul, fidelity
 from tests.test_decisions import QUICK, SlowFloat32Adapter
 from tests.test_exclusions import W1, W2
-from tests.helpers import report_markdown
+from autopolicy.report.render import markdown as report_markdown
 
 
 def loss(model):

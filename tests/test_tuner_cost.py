@@ -6,15 +6,19 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
 import numpy as np
 import pytest
 
-from autopolicy import _machine_cache, experiment
+import autopolicy.nn as nn
+from autopolicy import _machine_cache, experiment, search
+from autopolicy.search import accuracy, sensitivity
 from autopolicy.search.cache import MeasurementCache
 from autopolicy.search.costs import PHASES, Costs, phase
+from tests.helpers import gaussian
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,13 +166,6 @@ def test_a_second_run_into_a_new_directory_reuses_compilations_and_timings_and_s
 def test_sensitivity_compiles_each_candidate_ahead_and_scores_it_compiled(monkeypatch):
     """While one candidate is scored, the next one's model compiles in the compile pool: scoring
     (its calibration outputs and an eval_fn on batches of that shape) compiles nothing more."""
-    import threading
-
-    import autopolicy.nn as nn
-    from autopolicy import search
-    from autopolicy.search import accuracy, sensitivity
-    from tests.helpers import gaussian
-
     x = gaussian((16, 24), seed=11)
     model = nn.Sequential([nn.Dense(32, activation="relu", name="a"), nn.Dense(8, name="b")], name="m")
     model = model.build(jax.random.key(2), x)

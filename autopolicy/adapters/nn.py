@@ -21,7 +21,7 @@ import numpy as np
 
 from autopolicy import policies
 from autopolicy.nn import _base, _context
-from autopolicy.nn._module import Module, _jit_call
+from autopolicy.nn._module import Module, lower_call
 from autopolicy.nn.calibration import calibrate
 from autopolicy.nn.weight_calibration import calibrate_weights, with_calibrated_placeholders
 from autopolicy.numerics import kernels
@@ -94,11 +94,6 @@ def _call_layer(layer: Module, args: tuple, kwargs: dict) -> Any:
 
 def _call_model(model: Module, *args: Any) -> Any:
     return model(*args)
-
-
-def _lower_model_call(model: Module, *args: Any) -> Any:
-    """The lowering of ``model(*args)`` called from Python (a model runs compiled as a whole)."""
-    return _jit_call.lower(model, args, {}, training=False)
 
 
 class NNAdapter:
@@ -247,7 +242,7 @@ class NNAdapter:
 
     def model_program(self, model: Module) -> Program:
         return Program(_call_model, self.sample_args, model, compiled=model,
-                       lower=functools.partial(_lower_model_call, model))
+                       lower=functools.partial(lower_call, model))
 
     def weights_digest(self) -> str:
         return digest_arrays(self.model)

@@ -304,3 +304,10 @@ def _compiles_top_level_call(module: Module, args: tuple, kwargs: dict) -> bool:
 def _jit_call(module: Module, args: tuple, kwargs: dict, training: bool) -> Any:
     return module(*args, training=training, **kwargs)
 
+
+def lower_call(module: Module, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
+    """The ``jax.stages.Lowered`` of ``module(*args, training=training, **kwargs)`` called from
+    Python, where that call runs compiled as a whole: compiling it (in any thread) leaves the call
+    its executable, as JAX keeps one per lowering."""
+    return _jit_call.lower(module, args, kwargs, training=bool(training))
+

@@ -125,7 +125,7 @@ def layer_latency(
     records: dict[str, dict] = {}
     earlier: dict[str, dict] = {}  # cached records about to be measured again
     todo: dict[str, timing.Candidate] = {}
-    keys, again = {}, {}
+    keys = {}
     variants = _variants(adapter, site)
     for policy, kernel in variants:
         name = _variant_name(policy, kernel)
@@ -138,7 +138,6 @@ def layer_latency(
         if trusted:
             records[name] = cached
             continue
-        again[name] = cached is not None
         if cached is not None:
             earlier[name] = cached
         # Adapters without a choice of kernels take no kernel argument.
@@ -167,7 +166,7 @@ def layer_latency(
             t = timings[name]
             record = {"latency_s": t.median, "latency_p25_s": t.p25, "latency_p75_s": t.p75, "latency_cv": t.cv,
                       "repeats": t.repeats, "inner": t.inner, "finite": _finite(result),
-                      "nbytes": adapter.layer_bytes(site.path, policy), "remeasured": again[name],
+                      "nbytes": adapter.layer_bytes(site.path, policy), "remeasured": name in earlier,
                       "output_error": relative_error(reference, result), "kernel": kernel or ""}
             if name in earlier:
                 record["previous_latency_s"] = earlier[name]["latency_s"]
