@@ -185,11 +185,13 @@ def test_act_order_g_idx_dequantizes_each_weight_with_its_group(path, bits, path
 
 
 @needs_kernel
-def test_a_g_idx_outside_the_groups_is_refused_naming_the_entry():
+@pytest.mark.parametrize("value, shown", [(2.0, r"2\.0+"), (-1.0, r"-1\.0+"), (0.5, r"0\.50+"), (np.nan, "nan"),
+                                          (3e9, r"3000000000\.0+")])
+def test_a_g_idx_outside_the_groups_is_refused_naming_the_entry(value, shown):
     weights, _, _, _ = _weights(8, 64, 4, 32, seed=34)
     bad = np.asarray(weight_only.group_index(64, 32)).copy()
-    bad[5] = 2.0  # two groups: 0 and 1
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"g_idx\[5\] = 2\.0+ is not a group in \[0, 2\)"):
+    bad[37] = value  # two groups: 0 and 1; the entry is in the second
+    with pytest.raises(jax.errors.JaxRuntimeError, match=rf"g_idx\[37\] = {shown} is not a group in \[0, 2\)"):
         _run(_inputs(1, 64, seed=35), dict(weights, g_idx=jnp.asarray(bad)), (4, 32), "cpu_ffi").block_until_ready()
 
 

@@ -72,15 +72,24 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (qd.size() != 2 || qd[0] != rows || qd[1] != k) return invalid("the kernel must be " + dims(rows, k));
   if (gd.size() != 1 || gd[0] != k) return invalid("g_idx must be (K,) with K = " + std::to_string(k));
   // g_idx holds group numbers as floats (Keras's dtype): each must be a whole number in [0, G).
+  // The check runs at every call, so it is kept cheap: no division (i / group as a counter; a
+  // 64-bit division per input was 10 us of a 12 us call at K = 576, N = 8, on a Zen 3 EPYC).
   std::vector<int32_t> group_of(static_cast<size_t>(k));
   bool consecutive = true;
-  for (int64_t i = 0; i < k; ++i) {
-    const float v = g_idx.typed_data()[i];
-    if (!(v >= 0.0f && v < static_cast<float>(groups)) || v != static_cast<float>(static_cast<int32_t>(v)))
+  const float* gp = g_idx.typed_data();
+  const float last = static_cast<float>(groups);
+  for (int64_t i = 0, expected = 0, left = group; i < k; ++i, --left) {
+    if (left == 0) {
+      ++expected;
+      left = group;
+    }
+    const float v = gp[i];
+    const int32_t whole = v >= 0.0f && v < last ? static_cast<int32_t>(v) : -1;
+    if (whole < 0 || v != static_cast<float>(whole))
       return invalid("g_idx[" + std::to_string(i) + "] = " + std::to_string(v) + " is not a group in [0, " +
                      std::to_string(groups) + ")");
-    group_of[i] = static_cast<int32_t>(v);
-    consecutive = consecutive && group_of[i] == i / group;
+    group_of[i] = whole;
+    consecutive &= whole == expected;
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
 
