@@ -83,7 +83,10 @@ setup(
             depends=HEADERS,
             include_dirs=[os.path.join("autopolicy", "numerics", "cpu")],
             language="c++",
-            extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-Wno-attributes", "-Wno-return-type"],
+            # -g0: no debug information (Python's own flags add -g): a third less compile time,
+            # a library a tenth the size.
+            extra_compile_args=["-O3", "-g0", "-std=c++17", "-ffp-contract=off", "-Wno-attributes",
+                                "-Wno-return-type"],
             optional=True,
         )
     ]
