@@ -83,7 +83,7 @@ setup(
             depends=HEADERS,
             include_dirs=[os.path.join("autopolicy", "numerics", "cpu")],
             language="c++",
-            # -g0: no debug information (Python's own flags add -g): a third less compile time,
+            # -g0: no debug information (Python's own flags add -g): 27 -> 21-24 s to build on 2 cores,
             # a library a tenth the size.
             extra_compile_args=["-O3", "-g0", "-std=c++17", "-ffp-contract=off", "-Wno-attributes",
                                 "-Wno-return-type"],
