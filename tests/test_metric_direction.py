@@ -13,13 +13,13 @@ import pytest
 
 from autopolicy import cli, search
 from autopolicy.experiment import Experiment
+from autopolicy.report.render import markdown as report_markdown
 from autopolicy.search import _checks
 from autopolicy.search.adapter import Program
 from autopolicy.search.phases import Budget
 from tests.test_adapter import PARAMS, X, TwoMatmuls, TwoMatmulsAdapter, _matmul, fidelity
 from tests.test_decisions import QUICK, SlowFloat32Adapter
 from tests.test_exclusions import W1, W2
-from autopolicy.report.render import markdown as report_markdown
 
 
 def loss(model):
@@ -167,16 +167,23 @@ class SlowBfloat16Adapter(TwoMatmulsAdapter):
 SLOW_SECONDS = 3e-3
 
 
-def _sleep(x):
-    time.sleep(SLOW_SECONDS)
-    return np.asarray(x)
+def _slow_matmul(seconds: float):
+    """``x @ w`` after a host sleep of ``seconds``: a sleep, not arithmetic, so the gap between one
+    slow layer and two does not shrink when other processes load the cores, and the end-to-end
+    rounds always tell the maps apart."""
+
+    def sleep(x):
+        time.sleep(seconds)
+        return np.asarray(x)
+
+    def slow(w, x):
+        x = jax.pure_callback(sleep, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return x @ w.astype(x.dtype)
+
+    return slow
 
 
-def _slow(w, x):
-    # A host sleep, not arithmetic: the gap between one slow layer and two (3 ms) does not shrink
-    # when other processes load the cores, so the end-to-end rounds always tell the maps apart.
-    x = jax.pure_callback(_sleep, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    return x @ w.astype(x.dtype)
+_slow = _slow_matmul(SLOW_SECONDS)
 
 
 @pytest.mark.slow
@@ -197,24 +204,8 @@ def test_a_memory_budget_forces_a_slower_policy_on_exactly_the_layer_it_must(hig
     assert result.summary["float32"]["excluded"].startswith("over the memory budget")
 
 
-def _sleep_1ms(x):
-    time.sleep(SLOW_SECONDS / 3)
-    return np.asarray(x)
-
-
-def _sleep_10ms(x):
-    time.sleep(10 * SLOW_SECONDS / 3)
-    return np.asarray(x)
-
-
-def _slow_1ms(w, x):
-    x = jax.pure_callback(_sleep_1ms, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    return x @ w.astype(x.dtype)
-
-
-def _slow_10ms(w, x):
-    x = jax.pure_callback(_sleep_10ms, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    return x @ w.astype(x.dtype)
+_slow_1ms = _slow_matmul(1e-3)
+_slow_10ms = _slow_matmul(10e-3)
 
 
 class FasterBfloat16OnW1Adapter(SlowBfloat16Adapter):

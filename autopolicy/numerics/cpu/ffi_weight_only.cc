@@ -73,9 +73,9 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (gd.size() != 1 || gd[0] != k) return invalid("g_idx must be (K,) with K = " + std::to_string(k));
   // g_idx holds group numbers as floats (Keras's dtype): each must be a whole number in [0, G).
   // The check runs at every call, so it is kept cheap: first whether g_idx is k / group (one
-  // comparison an input, no division: a 64-bit division an input was 10 us of a 12 us call at
-  // K = 576, N = 8 on a Zen 3 EPYC); only otherwise (act-order) each entry's group is read and
-  // checked.
+  // comparison an input, no division: with a 64-bit division an input, a call at K = 576, N = 8
+  // took 12 us, now 8, on a Zen 3 EPYC); only otherwise (act-order) each entry's group is read
+  // and checked.
   const float* gp = g_idx.typed_data();
   bool consecutive = true;
   for (int64_t g = 0; g < groups && consecutive; ++g) {
