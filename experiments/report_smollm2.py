@@ -112,20 +112,20 @@ def calibrated(built, model, batches, cache: dict):
     return _base.map_modules(built, lambda m: cache[wanted[m.path]][m.path] if m.path in wanted else None)
 
 
-def time_decode(models: dict, cache_length: int, reps: int, inner: int, warm: int = 3) -> dict[str, np.ndarray]:
-    """Seconds per decode step, ``reps`` interleaved rounds of ``inner`` steps per model, each
-    after ``warm`` untimed steps of that model."""
+def time_decode(models: dict, cache_length: int, reps: int, inner: int, warm: int = 1) -> dict[str, np.ndarray]:
+    """Seconds per decode step, ``reps`` interleaved rounds per model of ``inner`` greedy steps in
+    one compiled loop (``generation.decode_steps``, the loop ``greedy_generate`` runs) ending at
+    position ``cache_length - 1``, each after ``warm`` untimed calls of that model."""
     token = jnp.zeros((1,), jnp.int32)
-    start = jnp.asarray(cache_length - 1, jnp.int32)
+    start = cache_length - inner
     caches = {name: m.init_cache(1, cache_length) for name, m in models.items()}
 
     def step(name):
         for _ in range(warm):  # the model before left its weights in the caches: steady state only
-            out, caches[name] = generation.decode_step(models[name], caches[name], token, start)
+            out, caches[name] = generation.decode_steps(models[name], caches[name], token, start, inner)
         jax.block_until_ready(out)
         t0 = time.perf_counter()
-        for _ in range(inner):
-            out, caches[name] = generation.decode_step(models[name], caches[name], token, start)  # donated
+        out, caches[name] = generation.decode_steps(models[name], caches[name], token, start, inner)  # donated
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / inner
 
@@ -259,7 +259,8 @@ def main(argv=None) -> None:
         f"in {time.perf_counter() - started:.0f} s.", "",
         f"Perplexity: {len(heldout)} held-out windows of {smollm2.WINDOW} tokens of Python's documentation "
         f"(`pydoc_data.topics`, the tune's `test_fn`). Decode: one step at batch 1, cache {smollm2.CACHE}, "
-        f"{args.reps} interleaved rounds of {args.inner} steps, each after 3 untimed steps of the same model (steady-state decoding: "
+        f"{args.reps} interleaved rounds of {args.inner} greedy steps in one compiled loop (`generation.decode_steps`, as "
+        f"`greedy_generate` decodes), each after {args.inner} untimed steps of the same model (steady-state decoding: "
         "the model timed before leaves its own weights in the caches); speed-up = median of per-round float32/config "
         "ratios [quartiles] (95% interval: a seeded percentile bootstrap of that median, as the tuner decides). Weight bytes: every array of the model in its stored dtype (the tied "
         "embedding and head are separate copies). Quantized layers run `cpu_ffi` (autopolicy's C++ "

@@ -221,6 +221,37 @@ def test_greedy_generate_follows_the_argmax(small):
     assert out == ids[3:]
 
 
+@pytest.mark.slow
+def test_greedy_generate_stops_at_a_stop_token_and_compiles_once_per_size(small):
+    prompt = [3, 17, 5]
+    free = nn.greedy_generate(small, prompt, 9, max_length=32)
+    assert len(free) == 9
+    before = generation._greedy_loop._cache_size()
+    assert nn.greedy_generate(small, prompt, 5, max_length=32) == free[:5]  # the same loop size (16)
+    assert generation._greedy_loop._cache_size() == before
+    third = free[2]
+    assert nn.greedy_generate(small, prompt, 9, max_length=32, stop=[third]) == free[: free.index(third) + 1]
+    assert nn.greedy_generate(small, prompt, 9, max_length=32, stop=[free[0], 99]) == free[:1]
+    assert nn.greedy_generate(small, prompt, 0, max_length=32) == []
+
+
+@pytest.mark.slow
+def test_decode_steps_equal_one_decode_step_at_a_time_fed_their_argmax(small):
+    ids = jnp.array([[3, 17, 5, 39], [0, 8, 8, 21]], jnp.int32)
+    _, cache = generation.prefill(small, small.init_cache(2, 16), ids)
+    _, cache_ref = generation.prefill(small, small.init_cache(2, 16), ids)
+    token, expect = jnp.array([2, 11], jnp.int32), []
+    for t in range(4, 9):
+        logits, cache_ref = generation.decode_step(small, cache_ref, token if t == 4 else expect[-1], jnp.asarray(t, jnp.int32))
+        expect.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    got, cache = generation.decode_steps(small, cache, token, 4, 5)
+    assert got.shape == (2, 5) and got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.stack([np.asarray(e) for e in expect], axis=1))
+    np.testing.assert_allclose(np.asarray(cache[1][0]), np.asarray(cache_ref[1][0]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"steps must be an int >= 1. Received: steps=0"):
+        generation.decode_steps(small, cache, token, 9, 0)
+
+
 def test_bad_arguments_are_named(small):
     with pytest.raises(ValueError, match=r"heads a multiple of kv_heads.*heads=6, kv_heads=4"):
         nn.LlamaConfig(vocab_size=8, dim=24, blocks=1, heads=6, kv_heads=4, mlp_dim=8)

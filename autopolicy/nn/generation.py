@@ -1,5 +1,6 @@
-"""Using a causal language model: greedy generation with a key/value cache (a compiled prefill
-and a compiled one-token decode step) and perplexity over fixed-length windows.
+"""Using a causal language model: greedy generation with a key/value cache (a compiled prefill,
+then the decode steps in one compiled loop; or one compiled decode step at a time) and perplexity
+over fixed-length windows.
 
 The model is any module called as ``model(ids)`` -> logits and
 ``model(ids, start=..., cache=...)`` -> ``(logits, cache)`` with ``model.init_cache(batch,
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["greedy_generate", "prefill", "decode_step", "perplexity", "token_nll", "token_windows"]
+__all__ = ["greedy_generate", "prefill", "decode_step", "decode_steps", "perplexity", "token_nll", "token_windows"]
 
 
 @jax.jit
@@ -36,13 +37,53 @@ def decode_step(model: Any, cache: Any, token: jax.Array, position: jax.Array) -
     return logits[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _greedy_step(treedef: Any, leaves: list, cache: Any, token: jax.Array, position: jax.Array) -> tuple:
-    """A decode step on the model's leaves, returning the next token (int32 ``(batch,)``): the
-    generation loop flattens the model once, not at every step (each call of a jitted function
-    flattens its arguments, in Python for every module of the model)."""
-    logits, cache = decode_step.__wrapped__(jax.tree_util.tree_unflatten(treedef, leaves), cache, token, position)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=2)
+def _greedy_loop(treedef: Any, leaves: list, cache: Any, token: jax.Array, position: jax.Array, steps: jax.Array,
+                 stop: jax.Array, capacity: int) -> tuple:
+    """Up to ``steps`` (<= ``capacity``) greedy decode steps in one compiled loop: from ``token``
+    (int32 ``(batch,)``) at ``position``, each step's argmax fed to the next at the next position,
+    ending early once every row's token is in ``stop``. Returns ``(tokens (batch, capacity), count,
+    cache)``: the first ``count`` columns are the generated tokens. The model comes as its leaves
+    (flattened once by the caller, not at every call) and the loop never returns to Python between
+    tokens, so a token costs the step's own work and nothing more."""
+    model = jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def stopped(t):
+        return jnp.all(jnp.any(t[:, None] == stop[None, :], axis=-1))
+
+    def more(carry):
+        _, _, i, _, done = carry
+        return (i < steps) & ~done
+
+    def step(carry):
+        cache, t, i, out, _ = carry
+        logits, cache = model(t[:, None], start=position + i, cache=cache)
+        t = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return cache, t, i + 1, out.at[:, i].set(t), stopped(t)
+
+    out = jnp.zeros((token.shape[0], capacity), jnp.int32)
+    cache, _, count, out, _ = jax.lax.while_loop(more, step, (cache, token, jnp.zeros((), jnp.int32), out, stopped(token)))
+    return out, count, cache
+
+
+def decode_steps(model: Any, cache: Any, token: jax.Array, position: Any, steps: int) -> tuple[jax.Array, Any]:
+    """``steps`` greedy decode steps in one compiled loop, as :func:`greedy_generate` runs them:
+    from ``token`` (int32 ``(batch,)``) written at ``position``, each step's argmax is the next
+    step's token. Returns ``(tokens, cache)``: the generated ids, int32 ``(batch, steps)``, and the
+    cache (the one passed in is donated: pass the one returned to the next call). Positions
+    ``position .. position + steps - 1`` must fit in the cache. Compiled once per model structure,
+    cache length and ``steps``.
+
+    Raises:
+      ValueError: for ``steps`` not an int >= 1.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1. Received: steps={steps!r}")
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    out, _, cache = _greedy_loop(treedef, leaves, cache, jnp.asarray(token, jnp.int32),
+                                 jnp.asarray(position, jnp.int32), jnp.asarray(steps, jnp.int32),
+                                 jnp.zeros((0,), jnp.int32), steps)
+    return out, cache
 
 
 def _bucket(n: int) -> int:
@@ -55,8 +96,9 @@ def greedy_generate(model: Any, prompt: Sequence[int], steps: int, max_length: i
 
     The prompt is padded to a power of two (at least 16) and prefilled in one compiled call
     (padding after the prompt cannot affect it: attention is causal, and the decode steps
-    overwrite those cache rows); each new token is one compiled decode step over a cache of
-    ``max_length`` positions.
+    overwrite those cache rows); the new tokens are decode steps over a cache of ``max_length``
+    positions, all in one compiled loop (:func:`decode_steps`' loop, which also checks ``stop``),
+    so no token waits for Python.
 
     Args:
       model: A built causal language model (see the module docstring).
@@ -80,20 +122,19 @@ def greedy_generate(model: Any, prompt: Sequence[int], steps: int, max_length: i
             f"The prompt ({len(prompt)} tokens, prefilled as {padded}) and steps={steps} do not fit in "
             f"max_length={max_length}."
         )
+    if steps == 0:
+        return []
     ids = np.zeros((1, padded), np.int32)
     ids[0, : len(prompt)] = prompt
     logits, cache = prefill(model, model.init_cache(1, max_length), jnp.asarray(ids))
-    token = int(jnp.argmax(logits[0, len(prompt) - 1]))
+    token = jnp.argmax(logits[:, len(prompt) - 1], axis=-1).astype(jnp.int32)
     leaves, treedef = jax.tree_util.tree_flatten(model)
-    out = []
-    for i in range(steps):
-        out.append(token)
-        if token in stop or i == steps - 1:
-            break
-        position = jnp.asarray(len(prompt) + i, jnp.int32)
-        next_token, cache = _greedy_step(treedef, leaves, cache, jnp.asarray([token], jnp.int32), position)
-        token = int(next_token[0])
-    return out
+    # The remaining steps - 1 tokens in one compiled loop, sized to a power of two (compiled once
+    # per size, not per length asked for).
+    out, count, _ = _greedy_loop(treedef, leaves, cache, token, jnp.asarray(len(prompt), jnp.int32),
+                                 jnp.asarray(steps - 1, jnp.int32), jnp.asarray(sorted({int(t) for t in stop}), jnp.int32).reshape(-1),
+                                 _bucket(steps))
+    return [int(token[0])] + np.asarray(out)[0, : int(count)].tolist()
 
 
 def token_windows(ids: Sequence[int], length: int, count: int | None = None) -> np.ndarray:
