@@ -250,6 +250,10 @@ def test_decode_steps_equal_one_decode_step_at_a_time_fed_their_argmax(small):
     np.testing.assert_allclose(np.asarray(cache[1][0]), np.asarray(cache_ref[1][0]), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match=r"steps must be an int >= 1. Received: steps=0"):
         generation.decode_steps(small, cache, token, 9, 0)
+    with pytest.raises(ValueError, match=r"Positions 12 .. 16 do not fit in the cache of 16 positions"):
+        generation.decode_steps(small, cache, token, 12, 5)
+    with pytest.raises(ValueError, match=r"stop must be token ids \(ints\). Received: stop=\['a'\]"):
+        nn.greedy_generate(small, [1, 2], 3, max_length=32, stop=["a"])
 
 
 def test_bad_arguments_are_named(small):

@@ -75,10 +75,16 @@ def decode_steps(model: Any, cache: Any, token: jax.Array, position: Any, steps:
     cache length and ``steps``.
 
     Raises:
-      ValueError: for ``steps`` not an int >= 1.
+      ValueError: for ``steps`` not an int >= 1, or (with a Python int ``position``, on a model
+        with ``cache_length(cache)`` as :class:`~autopolicy.nn.LlamaDecoder`) positions outside
+        the cache.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1. Received: steps={steps!r}")
+    length = getattr(model, "cache_length", None)
+    if isinstance(position, int) and length is not None and not 0 <= position <= length(cache) - steps:
+        raise ValueError(f"Positions {position} .. {position + steps - 1} do not fit in the cache of "
+                         f"{length(cache)} positions.")
     leaves, treedef = jax.tree_util.tree_flatten(model)
     out, _, cache = _greedy_loop(treedef, leaves, cache, jnp.asarray(token, jnp.int32),
                                  jnp.asarray(position, jnp.int32), jnp.asarray(steps, jnp.int32),
@@ -108,8 +114,8 @@ def greedy_generate(model: Any, prompt: Sequence[int], steps: int, max_length: i
       stop: Ids that end the generation (included in the result).
 
     Raises:
-      ValueError: for an empty prompt, a negative ``steps``, or a prompt and steps that do not
-        fit in ``max_length``.
+      ValueError: for an empty prompt, a negative ``steps``, a prompt and steps that do not fit
+        in ``max_length``, or ``stop`` holding anything but ints.
     """
     prompt = [int(t) for t in prompt]
     if not prompt:
@@ -122,6 +128,8 @@ def greedy_generate(model: Any, prompt: Sequence[int], steps: int, max_length: i
             f"The prompt ({len(prompt)} tokens, prefilled as {padded}) and steps={steps} do not fit in "
             f"max_length={max_length}."
         )
+    if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop):
+        raise ValueError(f"stop must be token ids (ints). Received: stop={list(stop)!r}")
     if steps == 0:
         return []
     ids = np.zeros((1, padded), np.int32)

@@ -323,6 +323,11 @@ class LlamaDecoder(Module):
         return tuple((jnp.zeros((batch, c.kv_heads, c.head_dim, max_length), dtype),
                       jnp.zeros((batch, c.kv_heads, max_length, c.head_dim), dtype)) for _ in self.blocks)
 
+    @staticmethod
+    def cache_length(cache: Any) -> int:
+        """The ``max_length`` of a cache made by :meth:`init_cache` (positions it holds)."""
+        return int(cache[0][1].shape[2])
+
     def call(self, ids: jax.Array, start: Any = None, cache: Any = None) -> Any:
         ids = jnp.asarray(ids)
         if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
