@@ -5,8 +5,9 @@
 // int32 lanes: exact for every int8 value (no saturation, unlike vpmaddubsw). Columns are
 // processed in chunks of 16 (two 8-lane accumulators whose lanes come out in the order
 // [0-3, 8-11] and [4-7, 12-15], put back in order on store); several rows of x share each loaded
-// pair of weight rows. Rows of x within [-127, 127] (all the quantizer makes) over at most 2048
-// columns take int8_stream_bytes instead: bytes multiplied as bytes (vpmaddubsw), 16 rows a pass.
+// pair of weight rows. One or two rows of x within [-127, 127] (all the quantizer makes) take
+// int8_stream_bytes instead: bytes multiplied as bytes (vpmaddubsw), 16 rows a pass (8 over ranges
+// wider than kNarrowColumns).
 // int4: vpmaddubsw on the nibbles + 8 (unsigned, at most 15: exact here), see int4_stream.
 //
 // Everything before the target pragma is compiled for the baseline ISA, so no AVX2 code leaks
@@ -123,8 +124,8 @@ inline void unpermute32(int32_t* row, int64_t n0, int64_t n1) {
 }
 
 // R rows of x, each within [-127, 127], times columns [n0, n1) (a multiple of 32 wide), the
-// weights streamed 16 rows a pass (each row front to back, the sums of a pass in registers, the
-// next pass's rows prefetched while this one runs). Each quad of rows' bytes of a column is
+// weights streamed 4 * Q rows a pass (each row front to back, the sums of a pass in registers;
+// over narrow ranges the next pass's rows prefetched while this one runs). Each quad of rows' bytes of a column is
 // interleaved in registers (two rounds of unpacks, as the VNNI path does), and each product is
 // |w| times x with w's sign, through vpmaddubsw: |w| <= 128 as an unsigned byte and |x| <= 127,
 // so a pair of products is at most 2 * 128 * 127 = 32512 and never saturates; vpmaddwd by ones
@@ -136,16 +137,19 @@ inline void unpermute32(int32_t* row, int64_t n0, int64_t n1) {
 // Measured on a SmolLM2-135M decode step (2-core Xeon with AVX-512, VNNI and AMX, the AVX2 path
 // forced with AUTOPOLICY_CPU_PATH=avx2, int8 everywhere): 2.02-2.05x float32's speed with
 // int8_stream alone, 2.69-2.81x with this kernel.
-// Only for ranges of at most kNarrowColumns (a decoder's projections, where the prefetched rows
-// are read microseconds later); wider ones (a 4096-column layer, an output head) stay on
-// int8_stream, whose four long rows a pass the hardware prefetchers follow (16 long rows a pass
-// measured slower there).
-constexpr int kBytePassQuads = 4;  // quads of K rows a pass: 16 rows
+// Over ranges of at most kNarrowColumns (a decoder's projections, where the prefetched rows are
+// read microseconds later) a pass takes 16 rows; wider ones (a 4096-column layer, an output head)
+// take 8 rows a pass and leave their long rows to the hardware prefetchers. Wide ranges went to
+// int8_stream before (four rows a pass): this kernel with 8 rows a pass was 1.04-1.12x faster on
+// a 4096 x 4096 layer at batch 1, 1.09-1.16x at 2 and 1.20x at 3, and 1.01-1.06x on the 576 x
+// 49152 head (experiments/ab_cpu_kernels.py --layers, 41 rounds each, three runs, 2-core EPYC;
+// the int4 layers, unchanged, 0.97-1.01x; with 4 rows a pass it was 0.91-0.95x).
+constexpr int kBytePassQuads = 4;      // quads of K rows a pass over narrow ranges: 16 rows
+constexpr int kWideBytePassQuads = 2;  // and over wide ones: 8 rows
 
-template <int R>
+template <int R, int Q>
 void int8_stream_bytes(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1,
                        int32_t* acc) {
-  constexpr int Q = kBytePassQuads;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0; i < k; i += 4 * Q) {
     const bool first = i == 0;
@@ -156,8 +160,9 @@ void int8_stream_bytes(const int8_t* x, int64_t k, const int8_t* w, int64_t n, i
       for (int r = 0; r < R; ++r) {
         xq[u][r] = _mm256_set1_epi32(quad_of(x + r * k, i + 4 * u, k));
       }
-    // The next pass's rows, fetched while this one runs (one line of each row per 64 columns).
-    const int8_t* ahead = i + 8 * Q <= k ? w + (i + 4 * Q) * n : nullptr;
+    // The next pass's rows (narrow ranges), fetched while this one runs (one line of each row per 64
+    // columns).
+    const int8_t* ahead = n1 - n0 <= kNarrowColumns && i + 8 * Q <= k ? w + (i + 4 * Q) * n : nullptr;
     for (int64_t c = n0; c < n1; c += 32) {
       if (ahead != nullptr && ((c - n0) & 32) == 0)
         for (int j = 0; j < 4 * Q; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * n + c), _MM_HINT_T0);
@@ -194,9 +199,12 @@ void int8_stream_bytes(const int8_t* x, int64_t k, const int8_t* w, int64_t n, i
 template <int R>
 void int8_rows(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1, int32_t* acc) {
   // Four rows of x would need 16 sums of 8 lanes: more registers than there are.
-  if (R <= 2 && n1 - n0 >= 32 && n1 - n0 <= kNarrowColumns && within_127<R>(x, k)) {
+  if (R <= 2 && n1 - n0 >= 32 && within_127<R>(x, k)) {
     const int64_t end = n0 + (n1 - n0) / 32 * 32;
-    int8_stream_bytes<R>(x, k, w, n, n0, end, acc);
+    if (n1 - n0 <= kNarrowColumns)
+      int8_stream_bytes<R, kBytePassQuads>(x, k, w, n, n0, end, acc);
+    else
+      int8_stream_bytes<R, kWideBytePassQuads>(x, k, w, n, n0, end, acc);
     n0 = end;  // the rest (fewer than 32 columns) as below
   }
   const int64_t simd_end = n0 + (n1 - n0) / 16 * 16;
