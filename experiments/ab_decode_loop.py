@@ -5,7 +5,7 @@ token) against ``generation.decode_steps`` (the steps in one compiled loop, as
 
 Each round times ``--steps`` steps of every (model, way) once, in a fixed interleaved order,
 after an untimed call of the same; prints the median ms a step [quartiles] and the float32/tuned
-ratio of each way (median [quartiles] over rounds)::
+ratio of each way (median [quartiles] over rounds), after the device and its CPU features::
 
     python experiments/ab_decode_loop.py --tuned runs/smollm2 --rounds 15 --steps 5
 """
@@ -24,6 +24,8 @@ import autopolicy as ap
 import report_smollm2
 import smollm2
 from autopolicy.nn import generation
+from autopolicy.numerics import cpu_kernels
+from autopolicy.search import hardware
 
 
 def ways(model, cache_length: int, steps: int) -> dict:
@@ -53,10 +55,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     model, _, tok = smollm2.load()
     policies, kernels, _ = report_smollm2.tuned_from_run(args.tuned)
-    calibration = smollm2.windows(tok, "calibration", None)
-    batches = [(calibration[smollm2.WINDOWS : smollm2.WINDOWS + smollm2.BATCH],)]
     tuned = model.with_dtype_policy(ap.DTypePolicyMap("float32", policies))
-    tuned = report_smollm2.with_kernels(report_smollm2.calibrated(tuned, model, batches, {}), kernels)
+    tuned = report_smollm2.with_kernels(
+        report_smollm2.calibrated(tuned, model, report_smollm2.calibration_batches(tok), {}), kernels)
     runs = {(name, way): fn for name, m in (("float32", model), ("tuned", tuned))
             for way, fn in ways(m, smollm2.CACHE, args.steps).items()}
     for fn in runs.values():
@@ -68,7 +69,9 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             jax.block_until_ready(fn())
             samples[key].append((time.perf_counter() - t0) / args.steps)
-    print(f"{jax.devices()[0].device_kind}; {args.rounds} rounds of {args.steps} steps at cache {smollm2.CACHE}")
+    kernel_path = cpu_kernels.path() if cpu_kernels.AVAILABLE else "none (XLA only)"
+    print(f"{hardware.describe()}; CPU kernel path {kernel_path}; {args.rounds} rounds of {args.steps} steps "
+          f"at cache {smollm2.CACHE}")
     for way in ("decode_step", "decode_steps"):
         f32, q = np.asarray(samples[("float32", way)]), np.asarray(samples[("tuned", way)])
         r = f32 / q

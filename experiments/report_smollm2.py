@@ -96,6 +96,12 @@ def tuned_from_run(run: pathlib.Path) -> tuple[dict[str, str], dict[str, str], d
     return policies, kernels, summary
 
 
+def calibration_batches(tok) -> list[tuple]:
+    """The experiment's calibration batches, as the tune calibrates GPTQ/AWQ layers on them."""
+    calibration = smollm2.windows(tok, "calibration", None)
+    return [(calibration[smollm2.WINDOWS : smollm2.WINDOWS + smollm2.BATCH],)]
+
+
 def calibrated(built, model, batches, cache: dict):
     """``built`` with its GPTQ/AWQ layers calibrated as the tune does (each alone, on its float
     inputs: ``sequential=False``), so a layer is calibrated once per policy across every
@@ -209,8 +215,7 @@ def main(argv=None) -> None:
             specs[label] = (policies, kernels)
     # GPTQ/AWQ layers are calibrated as the tune calibrates them: each layer alone on its float
     # inputs from the experiment's calibration batches.
-    calibration = smollm2.windows(tok, "calibration", None)
-    batches = [(calibration[smollm2.WINDOWS : smollm2.WINDOWS + smollm2.BATCH],)]
+    batches = calibration_batches(tok)
     models, rows, cache = {}, {}, {}
     for name, (policy, kernels) in specs.items():
         if policy == "float32":

@@ -76,8 +76,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     model, _, tok = smollm2.load()
     heldout = smollm2.windows(tok, "heldout")
-    calibration = smollm2.windows(tok, "calibration", None)
-    batches = [(calibration[smollm2.WINDOWS : smollm2.WINDOWS + smollm2.BATCH],)]
+    batches = report_smollm2.calibration_batches(tok)
     specs = {"float32": None, INT8: INT8, GPTQ8: GPTQ8}
     for kinds in args.gptq8:
         kept = tuple(k.strip() for k in kinds.split(",") if k.strip())

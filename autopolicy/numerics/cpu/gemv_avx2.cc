@@ -125,8 +125,9 @@ inline void unpermute32(int32_t* row, int64_t n0, int64_t n1) {
 
 // R rows of x, each within [-127, 127], times columns [n0, n1) (a multiple of 32 wide), the
 // weights streamed 4 * Q rows a pass (each row front to back, the sums of a pass in registers;
-// over narrow ranges the next pass's rows prefetched while this one runs). Each quad of rows' bytes of a column is
-// interleaved in registers (two rounds of unpacks, as the VNNI path does), and each product is
+// over narrow ranges the next pass's rows prefetched while this one runs). Each quad of rows'
+// bytes of a column is interleaved in registers (two rounds of unpacks, as the VNNI path does),
+// and each product is
 // |w| times x with w's sign, through vpmaddubsw: |w| <= 128 as an unsigned byte and |x| <= 127,
 // so a pair of products is at most 2 * 128 * 127 = 32512 and never saturates; vpmaddwd by ones
 // adds a column's two pairs into its int32 sum. 32 bytes of weights cost 2 shuffles and 5 other
@@ -141,9 +142,10 @@ inline void unpermute32(int32_t* row, int64_t n0, int64_t n1) {
 // read microseconds later) a pass takes 16 rows; wider ones (a 4096-column layer, an output head)
 // take 8 rows a pass and leave their long rows to the hardware prefetchers. Wide ranges went to
 // int8_stream before (four rows a pass): this kernel with 8 rows a pass was 1.04-1.12x faster on
-// a 4096 x 4096 layer at batch 1, 1.09-1.16x at 2 and 1.20x at 3, and 1.01-1.06x on the 576 x
-// 49152 head (experiments/ab_cpu_kernels.py --layers, 41 rounds each, three runs, 2-core EPYC;
-// the int4 layers, unchanged, 0.97-1.01x; with 4 rows a pass it was 0.91-0.95x).
+// a 4096 x 4096 layer at batch 1 and 1.09-1.16x at 2 (three runs), 1.20x at 3 (one run), and
+// 1.01-1.06x on the 576 x 49152 head at batch 1-3 (two runs): experiments/ab_cpu_kernels.py
+// --layers, 41 rounds a run, on a 2-core Zen 3 EPYC (AVX2, FMA; no AVX-512); the int4 layers,
+// unchanged, 0.97-1.01x; with 4 rows a pass it was 0.91-0.95x.
 constexpr int kBytePassQuads = 4;      // quads of K rows a pass over narrow ranges: 16 rows
 constexpr int kWideBytePassQuads = 2;  // and over wide ones: 8 rows
 
