@@ -391,7 +391,9 @@ def test_the_kernels_own_helpers_change_no_result(rows):
     assert default == 500
     k, n = 1536, 576
     rng = np.random.default_rng(rows)
-    x = jnp.asarray(_float_input(rows, k, k, adversarial=False))
+    # Committed to the CPU: the calls from the pool's threads do not see this module's default
+    # device (a thread-local setting), and on a GPU machine ran there (no FFI handler on CUDA).
+    x = jax.device_put(_float_input(rows, k, k, adversarial=False), jax.devices("cpu")[0])
     q, w_scale = _int8_kernel(k, n, n, adversarial=False)
     packed = int4.pack_int4(jnp.asarray(rng.integers(-8, 8, (k, n)).astype(np.int8)))
     scale = jnp.asarray(rng.uniform(0.01, 1.0, (k // 32, n)).astype(np.float32))

@@ -131,7 +131,7 @@ def test_a_candidate_that_fails_on_a_worker_comes_back_as_its_error(tiny, tmp_pa
 
 def test_numerics_differences_are_named():
     target = executor_mod.numerics_fingerprint()
-    assert set(target) == set(executor_mod.NUMERICS_KEYS) and target["platform"] == "cpu"
+    assert set(target) == set(executor_mod.NUMERICS_KEYS) and target["platform"] == jax.default_backend()
     assert executor_mod.describe_numerics(dict(target), target) == ""
     assert executor_mod.describe_numerics({**target, "xla_flags": "--xla_cpu_use_onednn=true"}, target) == (
         "xla_flags --xla_cpu_use_onednn=true (target " + target["xla_flags"] + ")")

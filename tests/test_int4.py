@@ -270,6 +270,31 @@ def test_cpu_u8_path_equals_the_s8_product_bit_for_bit(monkeypatch):
     np.testing.assert_array_equal(u8, np.asarray(int4.int4_matmul(*args)))
 
 
+def test_off_a_cpu_the_accumulators_come_from_a_float32_dot(monkeypatch):
+    # On an H200 XLA:GPU's Triton int8 GEMMs gave wrong int4 products (K = 50 in blocks of 16: the
+    # 2-row block wrong in a quarter of its accumulators); float32 sums are exact below 2**24.
+    from jax import export  # pylint: disable=import-outside-toplevel
+
+    k = 16512  # the longest block whose extreme sums stay below 2**24: 127 * 8 * 16512 = 16776192
+    a = jnp.full((2, k), 127, jnp.int8).at[1].set(-127)
+    b = jnp.full((k, 3), -8, jnp.int8).at[:, 1].set(7)
+    exact = np.asarray(a, np.int64) @ np.asarray(b, np.int64)
+    floated = int4._int8_accumulate.float_accumulate("mk,kn->mn", a, b)
+    assert floated.dtype == jnp.int32 and np.abs(exact).max() == 16776192
+    np.testing.assert_array_equal(np.asarray(floated), exact)
+    # The layer's product: integer dots where lowered for a CPU, float32 ones for a GPU.
+    monkeypatch.setattr(int4._int8_accumulate, "default_int8_kernel", lambda *_: "s8s8")  # not u8 x s8
+    x, w = jnp.asarray(gaussian((5, 50), seed=9)), jnp.asarray(gaussian((50, 12), seed=10))
+    q, scale = int4.quantize_int4(w, 16)
+    fn = jax.jit(lambda v: int4.int4_matmul(v, int4.pack_int4(q), scale, int4._column_sums(q, 16), 16, jnp.float32))
+    dots = {platform: [line for line in export.export(fn, platforms=[platform])(x).mlir_module().splitlines()
+                       if "stablehlo.dot_general" in line] for platform in ("cpu", "cuda")}
+    assert len(dots["cpu"]) == len(dots["cuda"]) == 4  # 4 blocks, the last of 2 rows
+    assert all("xi8>" in line and "f32>" not in line.split("->")[0] for line in dots["cpu"])
+    assert all("xf32>" in line and "i8>" not in line for line in dots["cuda"])
+    np.testing.assert_allclose(np.asarray(fn(x)), _reference(np.asarray(x), np.asarray(w), 16), rtol=2e-6, atol=2e-5)
+
+
 @pytest.mark.parametrize(
     "equation,x_shape,kernel_shape,contract",
     [

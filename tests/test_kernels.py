@@ -252,6 +252,27 @@ def test_int8_conv_off_a_cpu_accumulates_in_float32_exactly():
     assert "tensor<1x6x6x3xi8>" in convs["cpu"][0] and "tensor<1x6x6x3xf32>" in convs["cuda"][0]
 
 
+@pytest.mark.parametrize("k,dtype_off_cpu", [(3, "f32"), (15, "f32"), (16, "i8"), (130, "f32"), (132, "i8")])
+def test_int8_contractions_not_a_multiple_of_4_off_a_cpu_sum_in_float32(k, dtype_off_cpu):
+    # On an H200 XLA:GPU's int8 dot doubled the sums of K = 2, 3, 5, 6, 7, 9, ... 19.
+    from jax import export  # pylint: disable=import-outside-toplevel
+
+    x = jnp.asarray(gaussian((5, k)))
+    kq, scale = int8.quantize_symmetric(jnp.asarray(gaussian((k, 7), seed=2)), (0,))
+    for kernel in ("s8s8", "u8s8") if _u8s8_dot.AVAILABLE else ("s8s8",):
+        fn = jax.jit(lambda a, kernel=kernel: int8.int8_einsum("mk,kn->mn", a, kq, scale, jnp.float32, kernel=kernel))
+        dots = {platform: [line for line in export.export(fn, platforms=[platform])(x).mlir_module().splitlines()
+                           if "stablehlo.dot_general" in line] for platform in ("cpu", "cuda")}
+        assert len(dots["cpu"]) == len(dots["cuda"]) == 1
+        assert f"tensor<5x{k}x{'ui8' if kernel == 'u8s8' else 'i8'}>" in dots["cpu"][0]
+        assert f"tensor<5x{k}x{dtype_off_cpu}>" in dots["cuda"][0]
+    x_q = jnp.full((5, k), 127, jnp.int8).at[1:3].set(-127)
+    exact = np.asarray(x_q, np.int64) @ np.asarray(kq, np.int64)  # not XLA's int8 dot: on a GPU that is the bug
+    floated = _int8_accumulate.float_accumulate("mk,kn->mn", x_q, kq)
+    assert floated.dtype == jnp.int32 and np.abs(exact).max() > 127 * 127
+    np.testing.assert_array_equal(np.asarray(floated), exact)
+
+
 # --- int8: every kernel gives the same accumulators and outputs ---------------------------------
 
 needs_u8 = pytest.mark.skipif(not _u8s8_dot.AVAILABLE, reason="this JAX has no hooks for the u8 x s8 primitive")

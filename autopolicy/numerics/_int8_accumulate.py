@@ -165,9 +165,29 @@ def _matmul_plan(equation: str) -> tuple[str, str, str] | None:
 
 
 def _s8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):
+    """XLA's s8 x s8 -> s32 einsum; off a CPU, a contraction whose length is not a multiple of 4
+    sums in a float32 einsum instead (:func:`float_accumulate`). On an H200 (jax 0.11.2) XLA:GPU's
+    int8 dot of (5, K) x (K, 7) was wrong for every K from 2 to 19 that is not a multiple of 4
+    (outputs twice the true sums), and exact for 1, 4, 8, ..., 20, 48, 130 and 576
+    (experiments/gpu_int4_diag.py); a float32 dot is exact where the sums stay below 2**24."""
     del kernel_colsum
-    return jnp.einsum(equation, x_q, kernel_q, preferred_element_type=jnp.int32,
-                      out_sharding=_sharding.out_sharding(equation, x_q, kernel_q))
+    out_sharding = _sharding.out_sharding(equation, x_q, kernel_q)
+
+    def integer(a, b):
+        return jnp.einsum(equation, a, b, preferred_element_type=jnp.int32, out_sharding=out_sharding)
+
+    if int(np.prod([x_q.shape[a] for a in contracted_axes(equation)[0]])) % 4 == 0:
+        return integer(x_q, kernel_q)
+    return cpu_kernels.on_cpu(integer, lambda a, b: float_accumulate(equation, a, b, out_sharding), x_q, kernel_q)
+
+
+def float_accumulate(equation: str, a: jax.Array, b: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """The int32 ``einsum(equation, a, b)`` of two integer operands from a float32 einsum at
+    ``HIGHEST`` precision: exact while every partial sum stays below 2**24 in size, within float32
+    rounding of the integer sums past that."""
+    acc = jnp.einsum(equation, a.astype(jnp.float32), b.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST, out_sharding=out_sharding)
+    return acc.astype(jnp.int32)
 
 
 def _u8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):

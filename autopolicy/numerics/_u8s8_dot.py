@@ -12,7 +12,8 @@ Whether it beats XLA's own s8 x s8 dot is for a measurement to say: on a CPU wit
 (AVX2 only) it is several times slower than float32 (issue 13), which is why it is the default
 only where VNNI or AMX-INT8 is present; on an AMX Xeon both int8 dots run at 4-6x float32.
 
-On other platforms the primitive lowers to that s8 x s8 product directly.
+On other platforms the primitive lowers to that s8 x s8 product directly (as a float32 one where
+the contraction is not a multiple of 4 long, which XLA:GPU's int8 dot got wrong).
 """
 
 from __future__ import annotations
@@ -52,7 +53,11 @@ def _define():
 
     def reference(a, b):
         signed = (a.astype(jnp.int16) - 128).astype(jnp.int8)
-        acc = jax.lax.dot_general(signed, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        if a.shape[1] % 4:  # XLA:GPU's int8 dot was wrong for such K (see _int8_accumulate): float32, exact
+            acc = jnp.matmul(signed.astype(jnp.float32), b.astype(jnp.float32),
+                             precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
+        else:
+            acc = jax.lax.dot_general(signed, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
         return acc + 128 * jnp.sum(b, axis=0, dtype=jnp.int32)
 
     prim.def_abstract_eval(abstract_eval)
