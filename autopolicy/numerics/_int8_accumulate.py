@@ -169,7 +169,9 @@ def _s8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):
     sums in a float32 einsum instead (:func:`float_accumulate`). On an H200 (jax 0.11.2) XLA:GPU's
     int8 dot of (5, K) x (K, 7) was wrong for every K from 2 to 19 that is not a multiple of 4
     (outputs twice the true sums), and exact for 1, 4, 8, ..., 20, 48, 130 and 576
-    (experiments/gpu_int4_diag.py); a float32 dot is exact where the sums stay below 2**24."""
+    (experiments/gpu_int4_diag.py). How far past 19 the fault reaches is unknown, so every such
+    length takes the float32 dot (130 too); it is exact while the sums stay below 2**24 (any
+    contraction of up to 1040 values)."""
     del kernel_colsum
     out_sharding = _sharding.out_sharding(equation, x_q, kernel_q)
 

@@ -290,9 +290,9 @@ def _integer_dot(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     Triton int8 GEMMs gave wrong int4 products: a block of 2 rows (K = 50 in blocks of 16) wrong in
     a quarter of its accumulators, and, with K = 48 in blocks of 16 whose accumulators alone were
     right, whole outputs twice the CPU's (experiments/gpu_int4_diag.py; all right with
-    ``--xla_gpu_enable_triton_gemm=false``). Each
-    product is at most 127 * 8 in size, so the float32 sums are exact while below 2**24: blocks
-    of up to 16512 rows; past that, within float32 rounding of the integer sums."""
+    ``--xla_gpu_enable_triton_gemm=false``). Each product is at most 127 * 8 in size, so the
+    float32 sums are exact while below 2**24: blocks of up to 16512 rows; past that, within
+    float32 rounding of the integer sums."""
     out_sharding = _sharding.out_sharding(equation, a, b)
 
     def integer(a_, b_):
