@@ -122,6 +122,33 @@ def test_int4_products_match_the_exact_sum(path, rows, k, n, block, path_restore
     np.testing.assert_allclose(got, expected, rtol=0, atol=4e-7 * groups * np.abs(expected).max() + 1e-6)
 
 
+@needs_kernels
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rows,k,n", [(1, 4100, 72), (3, 2050, 70), (4, 16512, 32)])  # past the serial 128 KB
+def test_long_per_channel_int4_split_over_k_is_exact(path, rows, k, n, path_restored):
+    """Few rows over K >= 2048, per channel: K is split into slabs whose float sums are exact, so
+    the outputs are float32(int sums) * scale bit for bit, with the extremes of both ranges (at
+    K = 16512 the sums reach 2**24 - 1024), and equal to the calls that do not split (serial)."""
+    cpu_kernels.set_path(path)
+    rng = np.random.default_rng(k + rows)
+    x = rng.choice(np.array([-127, 127, 5], np.int8), (rows, k))
+    q = rng.choice(np.array([-8, 7, -3], np.int8), (k, n))
+    if k == 16512:
+        x[0], q[:, 0] = -127, -8
+    scale = rng.uniform(0.01, 2.0, (1, n)).astype(np.float32)
+    call = jax.jit(cpu_kernels.int4_matmul, static_argnums=3)
+    packed = int4.pack_int4(jnp.asarray(q))
+    got = np.asarray(call(x, packed, scale, k))
+    sums = x.astype(np.int64) @ q.astype(np.int64)
+    assert np.abs(sums).max() < 2**24 and (k != 16512 or sums[0, 0] == 127 * 8 * k)
+    np.testing.assert_array_equal(got, sums.astype(np.float32) * scale)
+    try:
+        cpu_kernels.set_serial_max_bytes(1 << 40)
+        np.testing.assert_array_equal(np.asarray(call(x, packed, scale, k)), got)
+    finally:
+        cpu_kernels.set_serial_max_bytes(None)
+
+
 # The GEMMs (M >= gemm_min_rows on paths that have one): (rows, K, N) at the edges of their
 # register tiles (AVX2 and AVX-VNNI 4 x 24, AVX512-VNNI 8 x 48), their K chunks (up to 256 and 512 rows, fewer
 # for wide column blocks) and their tasks: M, N and K not multiples of the tile, odd K, one row,

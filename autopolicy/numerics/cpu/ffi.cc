@@ -25,6 +25,9 @@ constexpr int64_t kColumnsPerTask = 64;
 // The int8 product of few rows (at most kSlabMaxRows) splits K into up to kSlabs slabs of at
 // least kSlabRows rows.
 constexpr int64_t kSlabs = 8, kSlabRows = 256, kSlabMaxRows = 4;
+// Per-channel int4 of few rows splits K into slabs from kInt4SlabMinK rows up to the longest K
+// whose sums stay exact in float32 (127 * 8 * K < 2**24).
+constexpr int64_t kInt4SlabMinK = 2048, kInt4ExactK = 16512;
 // Rescaled outputs (rows x columns) up to this many run on the calling thread alone.
 constexpr int64_t kSerialEpilogue = 1 << 16;
 
@@ -180,6 +183,40 @@ void int4_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
     parallel_tiles(run_on, m, n, layout.rows, layout.strip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, block, sp, r0, r1, n0, n1, yp);
     });
+    return;
+  }
+  const int64_t slabs = std::min<int64_t>(kSlabs, k / kSlabRows);
+  if (!run_on.serial && groups == 1 && k >= kInt4SlabMinK && k <= kInt4ExactK && m <= kSlabMaxRows && n >= 32) {
+    // Per channel, few rows, long K: slabs of K rows as int8_product takes them (each one stream
+    // over whole rows, with the wide ranges' fetching ahead), each run with unit scales, so its
+    // outputs are its int32 sums as floats, exact (|sum| <= 127 * 8 * K < 2**24), and so is their
+    // total; times the scales, the values of the single pass, bit for bit. Against the column
+    // split: 4096 x 4096 1.11-1.15x at batch 1, 1.03-1.18x at 2 (four runs); 1536 x 576
+    // 0.93-1.04x (two runs), so shorter K keeps the column split (experiments/ab_cpu_kernels.py
+    // --layers, 41 rounds a run, 2-core AMD EPYC, AVX2; int8, unchanged, 0.98-1.02x).
+    const int64_t step = (k / slabs + 3) / 4 * 4;
+    const int64_t count = (k + step - 1) / step;
+    std::vector<float> partial(static_cast<size_t>(count * m * n)), ones(static_cast<size_t>(n), 1.0f);
+    std::vector<int8_t> xs(static_cast<size_t>(count * m * step));
+    for (int64_t s = 0; s < count; ++s)
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t k0 = s * step, k1 = std::min(k, k0 + step);
+        std::copy(xp + r * k + k0, xp + r * k + k1, xs.data() + (s * m + r) * step);
+      }
+    float* parts = partial.data();
+    const float* unit = ones.data();
+    const int8_t* xsp = xs.data();
+    parallel_tasks(run_on, count, [=](int64_t s) {
+      const int64_t k0 = s * step, k1 = std::min(k, k0 + step), len = k1 - k0;
+      std::vector<int8_t> x_slab(static_cast<size_t>(m * len));
+      for (int64_t r = 0; r < m; ++r) std::copy(xsp + (s * m + r) * step, xsp + (s * m + r) * step + len, x_slab.data() + r * len);
+      fn(x_slab.data(), m, len, wp + (k0 / 2) * n, n, len, unit, 0, n, parts + s * m * n);
+    });
+    for (int64_t i = 0; i < m * n; ++i) {
+      float total = 0.0f;
+      for (int64_t s = 0; s < count; ++s) total += parts[s * m * n + i];
+      yp[i] = total * sp[i % n];
+    }
     return;
   }
   parallel_columns(run_on, n, kColumnsPerTask, [=](int64_t n0, int64_t n1) { fn(xp, m, k, wp, n, block, sp, n0, n1, yp); });
