@@ -23,9 +23,10 @@ def f32(value):
 
 
 def assert_meta(meta, history, scale, jitted=False):
-    """Exact numbers; under jit XLA may divide by 448 as a multiply by 1/448 (one ulp off)."""
+    """Exact numbers; under jit XLA may divide by 448 as a multiply by 1/448 (one ulp off), and
+    off a CPU every op is compiled by XLA (on an H200 the scale came out one ulp off unjitted)."""
     np.testing.assert_array_equal(np.asarray(meta.amax_history), np.asarray(history, np.float32))
-    if jitted:
+    if jitted or jax.default_backend() != "cpu":
         assert float(meta.scale) == pytest.approx(float(scale), rel=2**-22)
     else:
         assert np.asarray(meta.scale) == scale, (float(meta.scale), float(scale))
