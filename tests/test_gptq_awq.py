@@ -353,7 +353,11 @@ def test_the_second_layer_is_calibrated_on_the_first_ones_quantized_output(mlp, 
         _, scale, *_ = gptq.gptq_quantize(float_second.kernel, hessian, 4, 16)
     else:
         _, scale, *_ = awq.awq_quantize(float_second.kernel, jnp.concatenate(hidden), 4, 16)
-    np.testing.assert_array_equal(np.asarray(second_s.kernel_scale), np.asarray(scale))
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(np.asarray(second_s.kernel_scale), np.asarray(scale))
+    else:  # on an H200 the two programs' scales differed by up to 4e-7 relative; calibrated on the
+        # float outputs instead they differ by up to 3e-3 (AWQ) and 5e-2 (GPTQ) on the CPU
+        np.testing.assert_allclose(np.asarray(second_s.kernel_scale), np.asarray(scale), rtol=1e-5)
 
 
 def test_a_bfloat16_source_runs_in_bfloat16(mlp, batches):
