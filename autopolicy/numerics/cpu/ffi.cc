@@ -110,6 +110,16 @@ void parallel_tiles(const Runner& run_on, int64_t m, int64_t n, int64_t tile_row
 
 ffi::Error bad(const std::string& what) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, what); }
 
+// The slabs' length for `slabs` slabs of K: a multiple of 4 (whole quads and int4 byte pairs).
+int64_t slab_step(int64_t k, int64_t slabs) { return (k / slabs + 3) / 4 * 4; }
+
+// Columns [k0, k1) of the m rows of x (m, k), contiguous: one slab's rows of x.
+std::vector<int8_t> slab_of(const int8_t* xp, int64_t m, int64_t k, int64_t k0, int64_t k1) {
+  std::vector<int8_t> xs(static_cast<size_t>(m * (k1 - k0)));
+  for (int64_t r = 0; r < m; ++r) std::copy(xp + r * k + k0, xp + r * k + k1, xs.data() + r * (k1 - k0));
+  return xs;
+}
+
 // acc = xq @ w in int32 for int8 xq (m, k) and w (k, n).
 void int8_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k, const int8_t* wp, int64_t n,
                   int32_t* out) {
@@ -131,28 +141,13 @@ void int8_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
     // Few rows: slabs of K rows, each a contiguous stretch of the weights (one stream the
     // prefetchers follow, where a column split reads pieces of every row), claimed by the
     // threads as they come free; each slab's int32 sums are added at the end (exact).
-    const int64_t step = (k / slabs + 3) / 4 * 4;
-    const int64_t count = (k + step - 1) / step;
+    const int64_t step = slab_step(k, slabs), count = (k + step - 1) / step;
     std::vector<int32_t> partial(static_cast<size_t>((count - 1) * m * n));
-    std::vector<int8_t> xs(static_cast<size_t>(count * m * step));
-    for (int64_t s = 0; s < count; ++s)
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t k0 = s * step, k1 = std::min(k, k0 + step);
-        std::copy(xp + r * k + k0, xp + r * k + k1, xs.data() + (s * m + r) * step);
-      }
     int32_t* parts = partial.data();
-    const int8_t* xsp = xs.data();
     parallel_tasks(run_on, count, [=, &path](int64_t s) {
       const int64_t k0 = s * step, k1 = std::min(k, k0 + step);
-      const int8_t* xsub = xsp + s * m * step;
-      int32_t* dst = s == 0 ? out : parts + (s - 1) * m * n;
-      if (k1 - k0 == step) {
-        path.int8(xsub, m, k1 - k0, wp + k0 * n, n, 0, n, dst);
-      } else {  // the last slab: its rows of x repacked to its own width
-        std::vector<int8_t> x_last(static_cast<size_t>(m * (k1 - k0)));
-        for (int64_t r = 0; r < m; ++r) std::copy(xsub + r * step, xsub + r * step + (k1 - k0), x_last.data() + r * (k1 - k0));
-        path.int8(x_last.data(), m, k1 - k0, wp + k0 * n, n, 0, n, dst);
-      }
+      const std::vector<int8_t> xs = slab_of(xp, m, k, k0, k1);
+      path.int8(xs.data(), m, k1 - k0, wp + k0 * n, n, 0, n, s == 0 ? out : parts + (s - 1) * m * n);
     });
     for (int64_t s = 1; s < count; ++s) {
       const int32_t* src = parts + (s - 1) * m * n;
@@ -194,23 +189,14 @@ void int4_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
     // split: 4096 x 4096 1.11-1.15x at batch 1, 1.03-1.18x at 2 (four runs); 1536 x 576
     // 0.93-1.04x (two runs), so shorter K keeps the column split (experiments/ab_cpu_kernels.py
     // --layers, 41 rounds a run, 2-core AMD EPYC, AVX2; int8, unchanged, 0.98-1.02x).
-    const int64_t step = (k / slabs + 3) / 4 * 4;
-    const int64_t count = (k + step - 1) / step;
+    const int64_t step = slab_step(k, slabs), count = (k + step - 1) / step;
     std::vector<float> partial(static_cast<size_t>(count * m * n)), ones(static_cast<size_t>(n), 1.0f);
-    std::vector<int8_t> xs(static_cast<size_t>(count * m * step));
-    for (int64_t s = 0; s < count; ++s)
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t k0 = s * step, k1 = std::min(k, k0 + step);
-        std::copy(xp + r * k + k0, xp + r * k + k1, xs.data() + (s * m + r) * step);
-      }
     float* parts = partial.data();
     const float* unit = ones.data();
-    const int8_t* xsp = xs.data();
     parallel_tasks(run_on, count, [=](int64_t s) {
-      const int64_t k0 = s * step, k1 = std::min(k, k0 + step), len = k1 - k0;
-      std::vector<int8_t> x_slab(static_cast<size_t>(m * len));
-      for (int64_t r = 0; r < m; ++r) std::copy(xsp + (s * m + r) * step, xsp + (s * m + r) * step + len, x_slab.data() + r * len);
-      fn(x_slab.data(), m, len, wp + (k0 / 2) * n, n, len, unit, 0, n, parts + s * m * n);
+      const int64_t k0 = s * step, k1 = std::min(k, k0 + step);
+      const std::vector<int8_t> xs = slab_of(xp, m, k, k0, k1);
+      fn(xs.data(), m, k1 - k0, wp + (k0 / 2) * n, n, k1 - k0, unit, 0, n, parts + s * m * n);
     });
     for (int64_t i = 0; i < m * n; ++i) {
       float total = 0.0f;
