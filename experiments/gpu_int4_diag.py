@@ -51,10 +51,10 @@ def _batched(q, xq, groups, block):
     return jnp.einsum("mgb,gbn->gmn", xb, qb, preferred_element_type=jnp.int32)
 
 
-def _looped(q, xq, groups, block):
+def _looped(q, xq, groups, block, acc=jnp.int32):
     k = q.shape[0]
     return jnp.stack([jnp.matmul(xq[:, g * block:min(k, (g + 1) * block)], q[g * block:min(k, (g + 1) * block)],
-                                 preferred_element_type=jnp.int32) for g in range(groups)])
+                                 preferred_element_type=acc, precision="highest") for g in range(groups)])
 
 
 def _variants(k, groups, block):
@@ -68,17 +68,16 @@ def _variants(k, groups, block):
         "masked int32 unpack+dot": lambda xq, p: mm(_unpack_masked(p, k), xq, groups, block),
         "xor uint8 unpack+dot": lambda xq, p: mm(_unpack_xor(p, k), xq, groups, block),
         "int32 dot": lambda xq, p: mm(int4._unpack(p, k).astype(jnp.int32), xq.astype(jnp.int32), groups, block),
-        "f32 dot": lambda xq, p: jnp.round(_f32(mm, int4._unpack(p, k), xq, groups, block)).astype(jnp.int32),
+        "f32 dot": lambda xq, p: jnp.round(_f32(int4._unpack(p, k), xq, groups, block)).astype(jnp.int32),
     }
 
 
-def _f32(mm, q, xq, groups, block):
+def _f32(q, xq, groups, block):
     if groups * block == q.shape[0] and groups > 1:
         n = q.shape[1]
         return jnp.einsum("mgb,gbn->gmn", xq.astype(jnp.float32).reshape((xq.shape[0], groups, block)),
                           q.astype(jnp.float32).reshape((groups, block, n)), precision="highest")
-    del mm
-    return _looped(q.astype(jnp.float32), xq.astype(jnp.float32), groups, block).astype(jnp.float32)
+    return _looped(q.astype(jnp.float32), xq.astype(jnp.float32), groups, block, acc=jnp.float32)
 
 
 def main():

@@ -173,14 +173,21 @@ def _s8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):
     length takes the float32 dot (130 too); it is exact while the sums stay below 2**24 (any
     contraction of up to 1040 values)."""
     del kernel_colsum
-    out_sharding = _sharding.out_sharding(equation, x_q, kernel_q)
-
-    def integer(a, b):
-        return jnp.einsum(equation, a, b, preferred_element_type=jnp.int32, out_sharding=out_sharding)
-
     if int(np.prod([x_q.shape[a] for a in contracted_axes(equation)[0]])) % 4 == 0:
-        return integer(x_q, kernel_q)
-    return cpu_kernels.on_cpu(integer, lambda a, b: float_accumulate(equation, a, b, out_sharding), x_q, kernel_q)
+        return jnp.einsum(equation, x_q, kernel_q, preferred_element_type=jnp.int32,
+                          out_sharding=_sharding.out_sharding(equation, x_q, kernel_q))
+    return integer_on_cpu(equation, x_q, kernel_q)
+
+
+def integer_on_cpu(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """The int32 ``einsum(equation, a, b)`` of two integer operands: XLA's integer dot where the
+    program is lowered for a CPU, :func:`float_accumulate` elsewhere."""
+    out_sharding = _sharding.out_sharding(equation, a, b)
+
+    def integer(a_, b_):
+        return jnp.einsum(equation, a_, b_, preferred_element_type=jnp.int32, out_sharding=out_sharding)
+
+    return cpu_kernels.on_cpu(integer, lambda a_, b_: float_accumulate(equation, a_, b_, out_sharding), a, b)
 
 
 def float_accumulate(equation: str, a: jax.Array, b: jax.Array, out_sharding: Any = None) -> jax.Array:

@@ -293,13 +293,7 @@ def _integer_dot(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     ``--xla_gpu_enable_triton_gemm=false``). Each product is at most 127 * 8 in size, so the
     float32 sums are exact while below 2**24: blocks of up to 16512 rows; past that, within
     float32 rounding of the integer sums."""
-    out_sharding = _sharding.out_sharding(equation, a, b)
-
-    def integer(a_, b_):
-        return jnp.einsum(equation, a_, b_, preferred_element_type=jnp.int32, out_sharding=out_sharding)
-
-    return cpu_kernels.on_cpu(integer, lambda a_, b_: _int8_accumulate.float_accumulate(equation, a_, b_, out_sharding),
-                              a, b)
+    return _int8_accumulate.integer_on_cpu(equation, a, b)
 
 
 def _int4_matmul_bwd(block_size, compute_dtype, kernel, residuals, g):

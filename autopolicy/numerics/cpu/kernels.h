@@ -151,9 +151,10 @@ std::string dims_of(const Dims& d) {
 
 // Ranges of at most this many columns (a decoder's projections) prefetch the next pass's weight
 // rows, which the thread reads microseconds later (and the AVX2 int8 byte stream takes 16 K rows
-// a pass there, 8 over wider ones); wider ones (a 4096-column layer, an output head) leave long
-// rows to the hardware prefetchers (measured slower with the prefetches there). Used by the AVX2
-// int8 and int4 streams and the AVX512-VNNI int8 stream.
+// a pass there, 8 over wider ones). Over wider ones (a 4096-column layer, an output head) the
+// AVX2 int8 byte and int4 streams fetch each row's line kWideLead bytes ahead instead (the next
+// pass's rows were measured slower there), and the AVX512-VNNI int8 stream leaves the long rows to
+// the hardware prefetchers.
 constexpr int64_t kNarrowColumns = 2048;
 
 // x[i .. i + 3] as one int32 word, byte j = x[i + j] (bytes past k are zero: the pad rows
