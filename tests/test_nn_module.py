@@ -363,3 +363,34 @@ def test_flattening_reuses_the_aux_data_and_a_changed_copy_gets_its_own():
     assert _base.flatten(changed)[1] != aux
     assert jax.tree_util.tree_structure(changed) != treedef
     assert changed.dtype_policy.name == "bfloat16" and layer.dtype_policy.name == "float32"
+
+
+def test_compiled_by_parts_compiles_each_child_once_per_nameless_signature():
+    """A model compiled by parts runs each child it calls as its own compiled part; parts that
+    differ only in names and paths (the blocks) share one compilation, so a model that differs
+    in one block compiles one part. The outputs are the whole call's up to rounding."""
+    from autopolicy.nn import _module
+
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(5, 6)), jnp.float32)  # 5 rows: this test's own shapes
+    net = Net(name="net").build(jax.random.key(3), x)
+    parts = net.compiled_by_parts()
+    assert parts.compiles_by_parts and not net.compiles_by_parts
+    assert not parts.compiled_by_parts(False).compiles_by_parts
+    compiled = _module._jit_part._cache_size  # pylint: disable=protected-access
+    start = compiled()
+    np.testing.assert_allclose(np.asarray(parts(x)), np.asarray(net(x)), rtol=1e-6, atol=1e-6)
+    assert compiled() - start == 2  # block and block_1 share one part; the head is the other
+
+    def with_int8(path):
+        return net.with_dtype_policy(ap.DTypePolicyMap("float32", {path: "int8_from_float32"}))
+
+    first, second = with_int8("net/block/mlp/dense_1"), with_int8("net/block_1/mlp/dense_1")
+    np.testing.assert_allclose(np.asarray(first.compiled_by_parts()(x)), np.asarray(first(x)), rtol=1e-6, atol=1e-6)
+    assert compiled() - start == 3  # the int8 block is new; the float32 block and the head are not
+    np.testing.assert_allclose(np.asarray(second.compiled_by_parts()(x)), np.asarray(second(x)), rtol=1e-6,
+                               atol=1e-6)
+    assert compiled() - start == 3  # the same int8 block under another name: nothing new
+    # Inside a trace (the user's own jit) a model compiled by parts is traced whole.
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda m, v: m(v))(parts, x)), np.asarray(net(x)), rtol=1e-6,
+                               atol=1e-6)
+    assert compiled() - start == 3

@@ -15,6 +15,8 @@ import pytest
 
 import autopolicy.nn as nn
 from autopolicy import _machine_cache, experiment, search
+from autopolicy.adapters.nn import NNAdapter
+from autopolicy.nn import _module
 from autopolicy.search import accuracy, sensitivity
 from autopolicy.search.cache import MeasurementCache
 from autopolicy.search.costs import PHASES, Costs, phase
@@ -164,8 +166,10 @@ def test_a_second_run_into_a_new_directory_reuses_compilations_and_timings_and_s
 
 
 def test_sensitivity_compiles_each_candidate_ahead_and_scores_it_compiled(monkeypatch):
-    """While one candidate is scored, the next one's model compiles in the compile pool: scoring
-    (its calibration outputs and an eval_fn on batches of that shape) compiles nothing more."""
+    """With an adapter that has no ``scoring_model`` (Keras, Flax), while one candidate is
+    scored, the next one's model compiles in the compile pool: scoring (its calibration outputs
+    and an eval_fn on batches of that shape) compiles nothing more."""
+    monkeypatch.delattr(NNAdapter, "scoring_model")
     x = gaussian((16, 24), seed=11)
     model = nn.Sequential([nn.Dense(32, activation="relu", name="a"), nn.Dense(8, name="b")], name="m")
     model = model.build(jax.random.key(2), x)
@@ -201,3 +205,42 @@ def test_sensitivity_compiles_each_candidate_ahead_and_scores_it_compiled(monkey
     assert result.accuracy.evaluations == 4  # two layers, two candidates each
     assert in_scoring == []
     assert len(ahead) == 4 and all(f.done() and f.exception() is None for f in ahead)
+
+
+def test_sensitivity_scores_nn_models_by_parts_and_a_repeated_layer_compiles_nothing(monkeypatch):
+    """The nn adapter scores candidates compiled by parts: the candidate of ``c`` (the same
+    layer as ``b`` but for its name) compiles nothing, and every score is the whole model's."""
+    x = gaussian((13, 21), seed=12)  # this test's own shapes: no other test has compiled its parts
+    model = nn.Sequential([nn.Dense(19, activation="relu", name=n) for n in "abc"] + [nn.Dense(7, name="d")],
+                          name="m").build(jax.random.key(4), x)
+    y = np.asarray(model(x))
+    compiled, models = {}, {}
+    score = accuracy._score
+
+    def counted(ctx, site, policy, candidate=None):
+        start = _module._jit_part._cache_size()  # pylint: disable=protected-access
+        out = score(ctx, site, policy, candidate)
+        compiled[site.path, policy.name] = _module._jit_part._cache_size() - start  # pylint: disable=protected-access
+        models[site.path, policy.name] = candidate
+        return out
+
+    def metric(m):
+        return -float(np.mean((np.asarray(m(x)) - y) ** 2))
+
+    monkeypatch.setattr(accuracy, "_score", counted)
+    result = search.tune(model, metric, x, candidates=["float32", "int8_from_float32", "float8_from_float32"],
+                         max_drop=0.5, relative=False, calibration_inputs=[(x,)], profile_accuracy="always",
+                         repeats=3, progress=False, confirm_seconds=0)
+    assert result.accuracy.evaluations == 8
+    assert all(m.compiles_by_parts for m in models.values())
+    # Per layer, int8 then float8 (its scales are arrays in a dict). a: its int8 part, b's (c's)
+    # and d's float32 parts, then its float8 part; b: a's float32 part, its int8 part, then its
+    # float8 part; c: nothing (b's parts); d: its int8 and float8 parts.
+    assert compiled == {("m/a", "int8_from_float32"): 3, ("m/a", "float8_from_float32"): 1,
+                        ("m/b", "int8_from_float32"): 2, ("m/b", "float8_from_float32"): 1,
+                        ("m/c", "int8_from_float32"): 0, ("m/c", "float8_from_float32"): 0,
+                        ("m/d", "int8_from_float32"): 1, ("m/d", "float8_from_float32"): 1}
+    for (path, name), candidate in models.items():
+        entry = result.accuracy.entries[path][name]
+        assert entry.status == "measured"
+        assert entry.metric == pytest.approx(metric(candidate.compiled_by_parts(False)), rel=1e-5)

@@ -240,9 +240,18 @@ class NNAdapter:
             self._runner = _nn_first_order.LayerRunner(self._layer_under, {l.path: l.signature for l in self._layers})
         return self._runner.outputs(path, policy, captured.inputs.get(path, ()))
 
+    def scoring_model(self, model: Module) -> Module:
+        """``model`` compiled by parts (:meth:`~autopolicy.nn.Module.compiled_by_parts`): the
+        sensitivity scores' models differ from float32 in one layer, so each compiles one new
+        part (a block), where a whole-model compilation each compiled them all (MiniLM: 191
+        models of six blocks; their outputs equal the whole model's up to rounding)."""
+        return model.compiled_by_parts()
+
     def model_program(self, model: Module) -> Program:
+        # A model compiled by parts has no single program to compile ahead: its parts compile
+        # once per signature as it runs.
         return Program(_call_model, self.sample_args, model, compiled=model,
-                       lower=functools.partial(lower_call, model))
+                       lower=None if model.compiles_by_parts else functools.partial(lower_call, model))
 
     def weights_digest(self) -> str:
         return digest_arrays(self.model)

@@ -181,11 +181,13 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
         raise NotImplementedError(f"{type(self).__name__} must implement call()")
 
     def __call__(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
-        if _compiles_top_level_call(self, args, kwargs):
+        if _compiles_top_level_call(self, args, kwargs) and not self.__dict__.get("_by_parts", False):
             return _jit_call(self, args, kwargs, training=bool(training))
         if training is None:
             training = _context.inherited_training()
         parent = _context.caller()
+        if parent is not None and parent.__dict__.get("_by_parts", False) and _compiles_part(self, args, kwargs):
+            return _call_part(self, args, kwargs, bool(training))
         if parent is not None and not parent.__dict__.get("_frozen", True):
             if self.name not in parent._call_order:
                 object.__setattr__(parent, "_call_order", parent._call_order + (self.name,))
@@ -205,6 +207,29 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
                 if replaced is not None:  # a hook may stand in for the output (the search's probes)
                     out = replaced
         return out
+
+    def compiled_by_parts(self, by_parts: bool = True) -> "Module":
+        """A copy that, called from Python, compiles each child it calls on its own instead of
+        compiling the whole call: children that differ only in their names and paths (the blocks
+        of a transformer) share one compilation. Models that differ in one layer then compile
+        only the parts that differ, where a whole-model compilation each would compile them all
+        (the search's per-layer sensitivity scores hundreds of such models).
+
+        The outputs are those of the whole call up to rounding (XLA fuses across a part's edges
+        no more); operations of this module's own ``call`` between its children run one by one.
+        """
+        new = self._copy(mutable=True)
+        if by_parts:
+            object.__setattr__(new, "_by_parts", True)
+        else:
+            new.__dict__.pop("_by_parts", None)
+        new._freeze()
+        return new
+
+    @property
+    def compiles_by_parts(self) -> bool:
+        """Whether a call from Python compiles each child on its own (:meth:`compiled_by_parts`)."""
+        return bool(self.__dict__.get("_by_parts", False))
 
     def _autocast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.autocast:
@@ -303,6 +328,70 @@ def _compiles_top_level_call(module: Module, args: tuple, kwargs: dict) -> bool:
 @functools.partial(jax.jit, static_argnames=("training",))
 def _jit_call(module: Module, args: tuple, kwargs: dict, training: bool) -> Any:
     return module(*args, training=training, **kwargs)
+
+
+# Static attributes that never change what a module computes (names, paths, the serialized
+# configuration, how the name and the policy were given): parts that differ only in them share
+# one compilation.
+_NAMELESS = frozenset(("name", "path", "_config", "_auto_named", "_dtype_explicit"))
+
+
+class _Part:
+    """A part's jit key: its tree structure less its names and paths (:data:`_NAMELESS`), hashed once.
+    ``treedef`` rebuilds the part inside the trace (any part of that key computes the same)."""
+
+    __slots__ = ("key", "treedef", "hash")
+
+    def __init__(self, treedef: Any):
+        self.treedef = treedef
+        self.key = _nameless(treedef)
+        self.hash = hash(self.key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Part) and self.hash == other.hash and self.key == other.key
+
+
+def _nameless(treedef: Any) -> Any:
+    data = treedef.node_data()
+    if data is None:
+        return None
+    kind, aux = data
+    if isinstance(aux, _base._Aux):
+        names, static = aux
+        aux = (names, tuple((k, v) for k, v in static if k not in _NAMELESS))
+    elif isinstance(aux, list):  # a dict's keys
+        aux = tuple(aux)
+    return kind, aux, tuple(_nameless(c) for c in treedef.children())
+
+
+@functools.lru_cache(maxsize=4096)
+def _part(treedef: Any) -> _Part:
+    return _Part(treedef)
+
+
+def _compiles_part(module: Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a child of a model compiled by parts runs as its own compiled part: from plain
+    Python, on concrete arrays (inside a part's trace the child is traced as usual)."""
+    if not module.__dict__.get("_frozen", False) or not module._own_built:
+        return False
+    if _context.build_state() is not None or _context.hooks() or _context.rng_active():
+        return False
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    return all(is_array(x) and not isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+@functools.partial(jax.jit, static_argnames=("part", "training"))
+def _jit_part(leaves: list, args: tuple, kwargs: dict, part: _Part, training: bool) -> Any:
+    module = jax.tree_util.tree_unflatten(part.treedef, leaves)
+    return module(*args, training=training, **kwargs)
+
+
+def _call_part(module: Module, args: tuple, kwargs: dict, training: bool) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(module)
+    return _jit_part(leaves, args, kwargs, part=_part(treedef), training=training)
 
 
 def lower_call(module: Module, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:

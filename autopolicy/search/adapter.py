@@ -68,6 +68,7 @@ __all__ = [
     "supports_kernels",
     "OutputGradients",
     "FIRST_ORDER_METHODS",
+    "SCORING_METHOD",
     "supports_first_order",
     "cast_floating",
     "shapes_and_dtypes",
@@ -253,6 +254,17 @@ FIRST_ORDER_METHODS = ("output_gradients", "layer_outputs")
 def supports_first_order(adapter: Any) -> bool:
     """Whether ``adapter`` offers the first-order estimate's methods (:data:`FIRST_ORDER_METHODS`)."""
     return all(callable(getattr(adapter, name, None)) for name in FIRST_ORDER_METHODS)
+
+
+#: An optional adapter method for the per-layer sensitivity scores
+#: (:func:`autopolicy.search.accuracy.measure_accuracy`), which score hundreds of models that
+#: differ from float32 in one layer:
+#:
+#: - ``scoring_model(model) -> model``: ``model`` (from :meth:`ModelAdapter.with_policies`) in the
+#:   form those scores run, with the same outputs up to rounding: the ``autopolicy.nn`` adapter's
+#:   compiles by parts, so that the blocks such models share compile once
+#:   (:meth:`autopolicy.nn.Module.compiled_by_parts`).
+SCORING_METHOD = "scoring_model"
 
 
 AdapterFactory = Callable[[Any, tuple, list], ModelAdapter]

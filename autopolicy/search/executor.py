@@ -176,10 +176,15 @@ def score(adapter: Any, scorer: Any, path: str, policy_name: str, model: Any = N
 
 
 def candidate_model(adapter: Any, path: str, policy_name: str) -> Any:
-    """The model with the layer at ``path`` alone under ``policy_name``, the rest float32."""
+    """The model with the layer at ``path`` alone under ``policy_name``, the rest float32, in the
+    form the adapter scores such models in (its optional ``scoring_model``:
+    :data:`~autopolicy.search.adapter.SCORING_METHOD`)."""
     from autopolicy import policies  # pylint: disable=import-outside-toplevel
+    from autopolicy.search.adapter import SCORING_METHOD  # pylint: disable=import-outside-toplevel
 
-    return adapter.with_policies(adapter.complete_map({path: policies.get(policy_name)}))
+    model = adapter.with_policies(adapter.complete_map({path: policies.get(policy_name)}))
+    scoring = getattr(adapter, SCORING_METHOD, None)
+    return model if scoring is None else scoring(model)
 
 
 def score_remote(ref: Any, path: str, policy_name: str) -> dict[str, Any]:
