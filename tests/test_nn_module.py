@@ -369,14 +369,14 @@ def test_compiled_by_parts_compiles_each_child_once_per_nameless_signature():
     """A model compiled by parts runs each child it calls as its own compiled part; parts that
     differ only in names and paths (the blocks) share one compilation, so a model that differs
     in one block compiles one part. The outputs are the whole call's up to rounding."""
-    from autopolicy.nn import _module
+    from autopolicy.nn import _parts
 
     x = jnp.asarray(np.random.default_rng(5).normal(size=(5, 6)), jnp.float32)  # 5 rows: this test's own shapes
     net = Net(name="net").build(jax.random.key(3), x)
     parts = net.compiled_by_parts()
     assert parts.compiles_by_parts and not net.compiles_by_parts
     assert not parts.compiled_by_parts(False).compiles_by_parts
-    compiled = _module._jit_part._cache_size  # pylint: disable=protected-access
+    compiled = _parts._jit_part._cache_size  # pylint: disable=protected-access
     start = compiled()
     np.testing.assert_allclose(np.asarray(parts(x)), np.asarray(net(x)), rtol=1e-6, atol=1e-6)
     assert compiled() - start == 2  # block and block_1 share one part; the head is the other
@@ -394,3 +394,42 @@ def test_compiled_by_parts_compiles_each_child_once_per_nameless_signature():
     np.testing.assert_allclose(np.asarray(jax.jit(lambda m, v: m(v))(parts, x)), np.asarray(net(x)), rtol=1e-6,
                                atol=1e-6)
     assert compiled() - start == 3
+
+
+def test_part_outputs_reuse_a_part_run_again_on_the_same_weights_and_equal_inputs():
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(5, 6)), jnp.float32)
+    net = Net(name="net").build(jax.random.key(3), x)
+
+    def changed(path):  # float32 but for one layer; the float32 layers keep net's arrays
+        return net.with_dtype_policy(ap.DTypePolicyMap("float32", {path: "int8_from_float32"}))
+
+    reuse = nn.PartOutputs()
+    model = changed("net/block_1/out").compiled_by_parts(reuse=reuse)
+    first = np.asarray(model(x))  # block, block_1 (int8) and the head: each seen once, none kept
+    assert (reuse.hits, reuse.misses, len(reuse)) == (0, 3, 0)
+    np.testing.assert_array_equal(np.asarray(model(x)), first)  # seen twice: kept
+    assert (reuse.hits, reuse.misses, len(reuse)) == (0, 6, 3)
+    # Equal inputs in another array: every part's earlier outputs, bit for bit.
+    np.testing.assert_array_equal(np.asarray(model(jnp.asarray(np.asarray(x)))), first)
+    assert (reuse.hits, reuse.misses) == (3, 6)
+    # Another model: its float32 block (net's arrays, the same input) is reused; block_1 in
+    # float32 and the int8 head run.
+    other = changed("net/logits")
+    np.testing.assert_allclose(np.asarray(other.compiled_by_parts(reuse=reuse)(x)), np.asarray(other(x)),
+                               rtol=1e-6, atol=1e-6)
+    assert (reuse.hits, reuse.misses) == (4, 8)
+    model(x + 1.0)  # other inputs: nothing reused
+    assert (reuse.hits, reuse.misses) == (4, 11)
+    assert reuse.nbytes == 2 * 5 * 6 * 4 + 5 * 2 * 4  # the two blocks' outputs and the head's
+    reuse.clear()
+    assert (len(reuse), reuse.nbytes) == (0, 0)
+
+    small = nn.PartOutputs(max_bytes=200)  # keeps outputs up to 50 bytes: the head's 40, not a block's 120
+    model = model.compiled_by_parts(reuse=small)
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(model(x)), first)
+    assert (small.hits, len(small), small.nbytes) == (1, 1, 40)
+    with pytest.raises(ValueError, match=r"max_bytes must be a positive int. Received: max_bytes=0"):
+        nn.PartOutputs(max_bytes=0)
+    with pytest.raises(TypeError, match=r"reuse must be an autopolicy.nn.PartOutputs or None. Received: 'yes'"):
+        net.compiled_by_parts(reuse="yes")

@@ -16,7 +16,7 @@ import pytest
 import autopolicy.nn as nn
 from autopolicy import _machine_cache, experiment, search
 from autopolicy.adapters.nn import NNAdapter
-from autopolicy.nn import _module
+from autopolicy.nn import _parts
 from autopolicy.search import accuracy, sensitivity
 from autopolicy.search.cache import MeasurementCache
 from autopolicy.search.costs import PHASES, Costs, phase
@@ -218,9 +218,9 @@ def test_sensitivity_scores_nn_models_by_parts_and_a_repeated_layer_compiles_not
     score = accuracy._score
 
     def counted(ctx, site, policy, candidate=None):
-        start = _module._jit_part._cache_size()  # pylint: disable=protected-access
+        start = _parts._jit_part._cache_size()  # pylint: disable=protected-access
         out = score(ctx, site, policy, candidate)
-        compiled[site.path, policy.name] = _module._jit_part._cache_size() - start  # pylint: disable=protected-access
+        compiled[site.path, policy.name] = _parts._jit_part._cache_size() - start  # pylint: disable=protected-access
         models[site.path, policy.name] = candidate
         return out
 

@@ -22,6 +22,7 @@ import numpy as np
 from autopolicy import policies
 from autopolicy.nn import _base, _context
 from autopolicy.nn._module import Module, lower_call
+from autopolicy.nn._parts import PartOutputs
 from autopolicy.nn.calibration import calibrate
 from autopolicy.nn.weight_calibration import calibrate_weights, with_calibrated_placeholders
 from autopolicy.numerics import kernels
@@ -125,6 +126,7 @@ class NNAdapter:
         self._calibrated: dict[tuple[str, str], Module] = {}
         self._probe: _nn_first_order.GradientProbe | None = None
         self._runner: _nn_first_order.LayerRunner | None = None
+        self._part_outputs: PartOutputs | None = None  # made by the first scoring_model
         self._layers = tuple(self._describe(path) for path, call in self.calls.items()
                              if self._modules[path].tunable)
 
@@ -244,8 +246,12 @@ class NNAdapter:
         """``model`` compiled by parts (:meth:`~autopolicy.nn.Module.compiled_by_parts`): the
         sensitivity scores' models differ from float32 in one layer, so each compiles one new
         part (a block), where a whole-model compilation each compiled them all (MiniLM: 191
-        models of six blocks; their outputs equal the whole model's up to rounding)."""
-        return model.compiled_by_parts()
+        models of six blocks; their outputs equal the whole model's up to rounding). All share
+        one :class:`~autopolicy.nn.PartOutputs`: the float32 parts before the changed layer,
+        run again on the same batches, return their earlier outputs."""
+        if self._part_outputs is None:
+            self._part_outputs = PartOutputs()
+        return model.compiled_by_parts(reuse=self._part_outputs)
 
     def model_program(self, model: Module) -> Program:
         # A model compiled by parts has no single program to compile ahead: its parts compile

@@ -10,6 +10,7 @@ never are. Weights are stored in the variable dtype and read in the compute dtyp
 
 from autopolicy.nn._context import rng_scope
 from autopolicy.nn._module import Layer, Module, is_module
+from autopolicy.nn._parts import PartOutputs
 from autopolicy.nn import activations, initializers, regularizers, weights
 from autopolicy.nn.attention import DotProductAttention, MultiHeadAttention
 from autopolicy.nn.conv import Conv2D, MaxPooling2D
@@ -33,6 +34,7 @@ __all__ = [
     "Module",
     "Layer",
     "is_module",
+    "PartOutputs",
     "rng_scope",
     "Dense",
     "EinsumDense",

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.nn import _base, _config, _context
+from autopolicy.nn import _base, _config, _context, _parts
 from autopolicy.nn._base import BOOKKEEPING, ModuleBase, is_array, is_dynamic, is_module
 from autopolicy.nn._building import Building
 from autopolicy.nn._naming import Naming
@@ -186,8 +186,8 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
         if training is None:
             training = _context.inherited_training()
         parent = _context.caller()
-        if parent is not None and parent.__dict__.get("_by_parts", False) and _compiles_part(self, args, kwargs):
-            return _call_part(self, args, kwargs, bool(training))
+        if parent is not None and parent.__dict__.get("_by_parts", False) and _parts.compiles_part(self, args, kwargs):
+            return _parts.call_part(self, args, kwargs, bool(training), parent.__dict__.get("_part_outputs"))
         if parent is not None and not parent.__dict__.get("_frozen", True):
             if self.name not in parent._call_order:
                 object.__setattr__(parent, "_call_order", parent._call_order + (self.name,))
@@ -208,7 +208,7 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
                     out = replaced
         return out
 
-    def compiled_by_parts(self, by_parts: bool = True) -> "Module":
+    def compiled_by_parts(self, by_parts: bool = True, reuse: "_parts.PartOutputs | None" = None) -> "Module":
         """A copy that, called from Python, compiles each child it calls on its own instead of
         compiling the whole call: children that differ only in their names and paths (the blocks
         of a transformer) share one compilation. Models that differ in one layer then compile
@@ -217,12 +217,23 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
 
         The outputs are those of the whole call up to rounding (XLA fuses across a part's edges
         no more); operations of this module's own ``call`` between its children run one by one.
+
+        Args:
+          by_parts: False: a copy compiled as a whole again.
+          reuse: A :class:`~autopolicy.nn.PartOutputs` shared by models that run the same parts
+            on the same inputs (the float32 blocks before the one layer a candidate changes):
+            a part called again with the same weights (the same arrays) and equal inputs returns
+            its earlier outputs instead of running.
         """
         new = self._copy(mutable=True)
+        for key in ("_by_parts", "_part_outputs"):
+            new.__dict__.pop(key, None)
         if by_parts:
             object.__setattr__(new, "_by_parts", True)
-        else:
-            new.__dict__.pop("_by_parts", None)
+            if reuse is not None:
+                if not isinstance(reuse, _parts.PartOutputs):
+                    raise TypeError(f"reuse must be an autopolicy.nn.PartOutputs or None. Received: {reuse!r}")
+                object.__setattr__(new, "_part_outputs", reuse)
         new._freeze()
         return new
 
@@ -328,70 +339,6 @@ def _compiles_top_level_call(module: Module, args: tuple, kwargs: dict) -> bool:
 @functools.partial(jax.jit, static_argnames=("training",))
 def _jit_call(module: Module, args: tuple, kwargs: dict, training: bool) -> Any:
     return module(*args, training=training, **kwargs)
-
-
-# Static attributes that never change what a module computes (names, paths, the serialized
-# configuration, how the name and the policy were given): parts that differ only in them share
-# one compilation.
-_NAMELESS = frozenset(("name", "path", "_config", "_auto_named", "_dtype_explicit"))
-
-
-class _Part:
-    """A part's jit key: its tree structure less its names and paths (:data:`_NAMELESS`), hashed once.
-    ``treedef`` rebuilds the part inside the trace (any part of that key computes the same)."""
-
-    __slots__ = ("key", "treedef", "hash")
-
-    def __init__(self, treedef: Any):
-        self.treedef = treedef
-        self.key = _nameless(treedef)
-        self.hash = hash(self.key)
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, _Part) and self.hash == other.hash and self.key == other.key
-
-
-def _nameless(treedef: Any) -> Any:
-    data = treedef.node_data()
-    if data is None:
-        return None
-    kind, aux = data
-    if isinstance(aux, _base._Aux):
-        names, static = aux
-        aux = (names, tuple((k, v) for k, v in static if k not in _NAMELESS))
-    elif isinstance(aux, list):  # a dict's keys
-        aux = tuple(aux)
-    return kind, aux, tuple(_nameless(c) for c in treedef.children())
-
-
-@functools.lru_cache(maxsize=4096)
-def _part(treedef: Any) -> _Part:
-    return _Part(treedef)
-
-
-def _compiles_part(module: Module, args: tuple, kwargs: dict) -> bool:
-    """Whether a child of a model compiled by parts runs as its own compiled part: from plain
-    Python, on concrete arrays (inside a part's trace the child is traced as usual)."""
-    if not module.__dict__.get("_frozen", False) or not module._own_built:
-        return False
-    if _context.build_state() is not None or _context.hooks() or _context.rng_active():
-        return False
-    leaves = jax.tree_util.tree_leaves((args, kwargs))
-    return all(is_array(x) and not isinstance(x, jax.core.Tracer) for x in leaves)
-
-
-@functools.partial(jax.jit, static_argnames=("part", "training"))
-def _jit_part(leaves: list, args: tuple, kwargs: dict, part: _Part, training: bool) -> Any:
-    module = jax.tree_util.tree_unflatten(part.treedef, leaves)
-    return module(*args, training=training, **kwargs)
-
-
-def _call_part(module: Module, args: tuple, kwargs: dict, training: bool) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(module)
-    return _jit_part(leaves, args, kwargs, part=_part(treedef), training=training)
 
 
 def lower_call(module: Module, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
