@@ -79,7 +79,9 @@ def _score_here(ctx: Context, todo: list[tuple[Site, policies.DTypePolicy]],
                 entries: dict[str, dict[str, LayerAccuracy]]) -> None:
     """Scores ``todo`` one after another, each candidate's model compiled in the background while
     the one before it is scored (:meth:`Scorer.prefetch`; on two cores a MiniLM candidate took
-    about 1 s to compile and 1.4 s to score)."""
+    about 1 s to compile and 1.4 s to score), where the adapter's program can be lowered ahead.
+    Models compiled by parts (the nn adapter's ``scoring_model``) have no such program: their
+    new parts compile as they run, the others are compiled already."""
     ahead: dict[int, tuple[Any, concurrent.futures.Future | None]] = {}  # index -> (model, compiling)
 
     def prepare(j: int) -> None:
