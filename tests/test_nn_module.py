@@ -370,6 +370,7 @@ def test_compiled_by_parts_compiles_each_child_once_per_nameless_signature():
     differ only in names and paths (the blocks) share one compilation, so a model that differs
     in one block compiles one part. The outputs are the whole call's up to rounding."""
     from autopolicy.nn import _parts
+    from autopolicy.nn.calibration import calibrate
 
     x = jnp.asarray(np.random.default_rng(5).normal(size=(5, 6)), jnp.float32)  # 5 rows: this test's own shapes
     net = Net(name="net").build(jax.random.key(3), x)
@@ -390,10 +391,15 @@ def test_compiled_by_parts_compiles_each_child_once_per_nameless_signature():
     np.testing.assert_allclose(np.asarray(second.compiled_by_parts()(x)), np.asarray(second(x)), rtol=1e-6,
                                atol=1e-6)
     assert compiled() - start == 3  # the same int8 block under another name: nothing new
+    # float8 layers keep their scales in a dict of arrays (a tree node with its keys as data).
+    fp8 = calibrate(net.with_dtype_policy(ap.DTypePolicyMap("float32", {"net/block/out": "float8_from_float32"})),
+                    [x])
+    np.testing.assert_allclose(np.asarray(fp8.compiled_by_parts()(x)), np.asarray(fp8(x)), rtol=1e-6, atol=1e-6)
+    assert compiled() - start == 4
     # Inside a trace (the user's own jit) a model compiled by parts is traced whole.
     np.testing.assert_allclose(np.asarray(jax.jit(lambda m, v: m(v))(parts, x)), np.asarray(net(x)), rtol=1e-6,
                                atol=1e-6)
-    assert compiled() - start == 3
+    assert compiled() - start == 4
 
 
 def test_part_outputs_reuse_a_part_run_again_on_the_same_weights_and_equal_inputs():
