@@ -402,39 +402,49 @@ def test_compiled_by_parts_compiles_each_child_once_per_nameless_signature():
     assert compiled() - start == 4
 
 
-def test_part_outputs_reuse_a_part_run_again_on_the_same_weights_and_equal_inputs():
+def test_part_outputs_reuse_a_part_another_model_ran_on_the_same_weights_and_equal_inputs():
     x = jnp.asarray(np.random.default_rng(6).normal(size=(5, 6)), jnp.float32)
     net = Net(name="net").build(jax.random.key(3), x)
 
-    def changed(path):  # float32 but for one layer; the float32 layers keep net's arrays
-        return net.with_dtype_policy(ap.DTypePolicyMap("float32", {path: "int8_from_float32"}))
+    def changed(path, reuse):  # float32 but for one layer; the float32 layers keep net's arrays
+        return net.with_dtype_policy(ap.DTypePolicyMap("float32", {path: "int8_from_float32"})).compiled_by_parts(
+            reuse=reuse)
 
     reuse = nn.PartOutputs()
-    model = changed("net/block_1/out").compiled_by_parts(reuse=reuse)
-    first = np.asarray(model(x))  # block, block_1 (int8) and the head: each seen once, none kept
-    assert (reuse.hits, reuse.misses, len(reuse)) == (0, 3, 0)
-    np.testing.assert_array_equal(np.asarray(model(x)), first)  # seen twice: kept
-    assert (reuse.hits, reuse.misses, len(reuse)) == (0, 6, 3)
-    # Equal inputs in another array: every part's earlier outputs, bit for bit.
-    np.testing.assert_array_equal(np.asarray(model(jnp.asarray(np.asarray(x)))), first)
-    assert (reuse.hits, reuse.misses) == (3, 6)
-    # Another model: its float32 block (net's arrays, the same input) is reused; block_1 in
-    # float32 and the int8 head run.
-    other = changed("net/logits")
-    np.testing.assert_allclose(np.asarray(other.compiled_by_parts(reuse=reuse)(x)), np.asarray(other(x)),
-                               rtol=1e-6, atol=1e-6)
-    assert (reuse.hits, reuse.misses) == (4, 8)
-    model(x + 1.0)  # other inputs: nothing reused
-    assert (reuse.hits, reuse.misses) == (4, 11)
-    assert reuse.nbytes == 2 * 5 * 6 * 4 + 5 * 2 * 4  # the two blocks' outputs and the head's
+    one, two = changed("net/block_1/out", reuse), changed("net/logits", reuse)
+    first = np.asarray(one(x))  # block, block_1 (int8) and the head: seen
+    np.testing.assert_array_equal(np.asarray(one(x)), first)  # one model's own calls are never kept
+    assert (reuse.hits, reuse.misses, len(reuse)) == (0, 6, 0)
+    # The float32 block on the same input in a second model: kept. Its block_1 (float32) and
+    # head (int8) run for it alone.
+    expected = np.asarray(two.compiled_by_parts(False)(x))
+    np.testing.assert_allclose(np.asarray(two(x)), expected, rtol=1e-6, atol=1e-6)
+    assert (reuse.hits, reuse.misses, len(reuse), reuse.nbytes) == (0, 9, 1, 5 * 6 * 4)
+    np.testing.assert_array_equal(np.asarray(two(x)), np.asarray(two(x)))
+    assert (reuse.hits, reuse.misses, len(reuse)) == (2, 13, 1)
+    # Equal inputs in another array: the kept output, and the same outputs bit for bit.
+    np.testing.assert_array_equal(np.asarray(one(jnp.asarray(np.asarray(x)))), first)
+    assert (reuse.hits, reuse.misses) == (3, 15)
+    one(x + 1.0)  # other inputs: nothing reused
+    assert (reuse.hits, reuse.misses) == (3, 18)
     reuse.clear()
     assert (len(reuse), reuse.nbytes) == (0, 0)
 
-    small = nn.PartOutputs(max_bytes=200)  # keeps outputs up to 50 bytes: the head's 40, not a block's 120
-    model = model.compiled_by_parts(reuse=small)
-    for _ in range(3):
-        np.testing.assert_array_equal(np.asarray(model(x)), first)
-    assert (small.hits, len(small), small.nbytes) == (1, 1, 40)
+    # At most max_bytes, least recently used out first; an output over a quarter of it never.
+    small = nn.PartOutputs(max_bytes=400)  # a block's 120 bytes are over 100: never kept
+    one, two = changed("net/block_1/out", small), changed("net/logits", small)
+    one(x), two(x), two(x)
+    assert (small.hits, len(small)) == (0, 0)
+    small = nn.PartOutputs(max_bytes=480)  # four blocks' outputs
+    one, two = changed("net/block_1/out", small), changed("net/logits", small)
+    inputs = [x + i for i in range(5)]
+    for v in inputs:
+        one(v), two(v)
+    assert (len(small), small.nbytes) == (4, 480)
+    one(inputs[4])
+    assert small.hits == 1
+    one(inputs[0])  # the first one kept, dropped for the fifth
+    assert small.hits == 1
     with pytest.raises(ValueError, match=r"max_bytes must be a positive int. Received: max_bytes=0"):
         nn.PartOutputs(max_bytes=0)
     with pytest.raises(TypeError, match=r"reuse must be an autopolicy.nn.PartOutputs or None. Received: 'yes'"):

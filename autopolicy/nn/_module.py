@@ -187,7 +187,7 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
             training = _context.inherited_training()
         parent = _context.caller()
         if parent is not None and parent.__dict__.get("_by_parts", False) and _parts.compiles_part(self, args, kwargs):
-            return _parts.call_part(self, args, kwargs, bool(training), parent.__dict__.get("_part_outputs"))
+            return _parts.call_part(self, args, kwargs, bool(training), parent)
         if parent is not None and not parent.__dict__.get("_frozen", True):
             if self.name not in parent._call_order:
                 object.__setattr__(parent, "_call_order", parent._call_order + (self.name,))
@@ -222,8 +222,8 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
           by_parts: False: a copy compiled as a whole again.
           reuse: A :class:`~autopolicy.nn.PartOutputs` shared by models that run the same parts
             on the same inputs (the float32 blocks before the one layer a candidate changes):
-            a part called again with the same weights (the same arrays) and equal inputs returns
-            its earlier outputs instead of running.
+            a part that another model sharing it called with the same weights (the same arrays)
+            and equal inputs returns its earlier outputs instead of running.
         """
         new = self._copy(mutable=True)
         for key in ("_by_parts", "_part_outputs"):

@@ -82,15 +82,17 @@ def _jit_part(leaves: list, args: tuple, kwargs: dict, part: _Part, training: bo
     return module(*args, training=training, **kwargs)
 
 
-def call_part(module: Any, args: tuple, kwargs: dict, training: bool, reuse: "PartOutputs | None") -> Any:
-    """``module(*args, **kwargs)`` as a compiled part; through ``reuse`` where given."""
+def call_part(module: Any, args: tuple, kwargs: dict, training: bool, model: Any) -> Any:
+    """``module(*args, **kwargs)`` as a compiled part of ``model`` (the model compiled by parts
+    that calls it); through the model's :class:`PartOutputs` where it has one."""
     leaves, treedef = jax.tree_util.tree_flatten(module)
     part = _part(treedef)
 
     def run() -> Any:
         return _jit_part(leaves, args, kwargs, part=part, training=training)
 
-    return run() if reuse is None else reuse.get_or_run(part, leaves, (args, kwargs), training, run)
+    reuse = model.__dict__.get("_part_outputs")
+    return run() if reuse is None else reuse.get_or_run(part, leaves, (args, kwargs), training, run, model)
 
 
 class PartOutputs:
@@ -100,11 +102,12 @@ class PartOutputs:
     every such model.
 
     A call's key is the part's structure (names aside), the identity of its weight arrays and a
-    digest (BLAKE2b) of its inputs' bytes, shapes and dtypes. An output is kept from the second
-    time its key is seen (a part that runs once, after the changed layer, is never kept), with
-    the weight arrays it was computed from (so their identities cannot be reused while it is
-    kept), least recently used first out past ``max_bytes`` of outputs. Reused outputs are the
-    same arrays: bit for bit what the part would compute again.
+    digest (BLAKE2b) of its inputs' bytes, shapes and dtypes. An output is kept when a second
+    model calls the part with its key (the parts after the changed layer run for one model only,
+    however often it is called, and are never kept), with the weight arrays it was computed
+    from (so their identities cannot be reused while it is kept), least recently used first out
+    past ``max_bytes`` of outputs. Reused outputs are the same arrays: bit for bit what the part
+    would compute again.
 
     Args:
       max_bytes: The most bytes of outputs kept (default 256 MiB); an output larger than a
@@ -121,7 +124,7 @@ class PartOutputs:
         self.hits = 0
         self.misses = 0
         self._kept: collections.OrderedDict[tuple, tuple[list, Any, int]] = collections.OrderedDict()
-        self._seen: set[tuple] = set()
+        self._seen: dict[tuple, int] = {}  # key -> id of the first model that ran it
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -140,7 +143,9 @@ class PartOutputs:
             self._seen.clear()
             self._bytes = 0
 
-    def get_or_run(self, part: Any, leaves: list, inputs: Any, training: bool, run: Callable[[], Any]) -> Any:
+    def get_or_run(self, part: Any, leaves: list, inputs: Any, training: bool, run: Callable[[], Any],
+                   model: Any) -> Any:
+        """The part's output: kept from an earlier call, or ``run()`` (for ``model``)."""
         key = (part, tuple(map(id, leaves)), training, _digest(inputs))
         with self._lock:
             entry = self._kept.get(key)
@@ -152,10 +157,11 @@ class PartOutputs:
         out = run()
         size = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(out) if is_array(x))
         with self._lock:
-            if key not in self._seen:
-                if len(self._seen) >= 1 << 18:  # keys seen once; bounded on very long runs
+            first = self._seen.get(key)
+            if first is None or first == id(model):  # (an id reused by another model: kept later)
+                if len(self._seen) >= 1 << 18:  # bounded on very long runs
                     self._seen.clear()
-                self._seen.add(key)
+                self._seen[key] = id(model)
             elif size <= self.max_bytes // 4 and key not in self._kept:
                 self._kept[key] = (list(leaves), out, size)
                 self._bytes += size
