@@ -181,12 +181,12 @@ class Module(Naming, Retyping, Building, ModuleBase, metaclass=_ModuleMeta):
         raise NotImplementedError(f"{type(self).__name__} must implement call()")
 
     def __call__(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
-        if _compiles_top_level_call(self, args, kwargs) and not self.__dict__.get("_by_parts", False):
+        if _compiles_top_level_call(self, args, kwargs) and not self.compiles_by_parts:
             return _jit_call(self, args, kwargs, training=bool(training))
         if training is None:
             training = _context.inherited_training()
         parent = _context.caller()
-        if parent is not None and parent.__dict__.get("_by_parts", False) and _parts.compiles_part(self, args, kwargs):
+        if parent is not None and parent.compiles_by_parts and _parts.compiles_part(self, args, kwargs):
             return _parts.call_part(self, args, kwargs, bool(training), parent)
         if parent is not None and not parent.__dict__.get("_frozen", True):
             if self.name not in parent._call_order:

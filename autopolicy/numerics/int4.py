@@ -260,9 +260,14 @@ def _int4_product(x, packed, scale, colsum, block_size, compute_dtype, kernel):
             xin = jnp.concatenate([xin, xin])
         dot = _u8s8_dot.u8s8_matmul
     else:
+        # Off a CPU the accumulators come from a float32 dot (HIGHEST): on an H200 (jax 0.11.2)
+        # XLA:GPU's Triton int8 GEMMs gave wrong int4 products, a block of 2 rows (K = 50 in blocks
+        # of 16) wrong in a quarter of its accumulators and, with K = 48 in blocks of 16, whole
+        # outputs twice the CPU's (experiments/gpu_int4_diag.py; right with
+        # --xla_gpu_enable_triton_gemm=false). Each product is at most 127 * 8 in size, so the
+        # float32 sums are exact for blocks of up to 16512 rows.
         xin = xq.astype(jnp.int8)
-        def dot(a, b):
-            return _integer_dot("mk,kn->mn", a, b)
+        dot = functools.partial(_int8_accumulate.integer_on_cpu, "mk,kn->mn")
     q = _unpack(packed, k)  # (K, N) int8: consecutive rows, so a K-sharded kernel unpacks in place
     block = k if block_size == PER_CHANNEL else block_size
     groups = block_count(k, block_size)
@@ -270,7 +275,7 @@ def _int4_product(x, packed, scale, colsum, block_size, compute_dtype, kernel):
         # Every block's accumulators in one batched int8 dot, (G, M, N), then rescaled and summed.
         n = q.shape[1]
         xb, qb = xin.reshape((xin.shape[0], groups, block)), q.reshape((groups, block, n))
-        acc = _integer_dot("mgb,gbn->gmn", xb, qb)
+        acc = _int8_accumulate.integer_on_cpu("mgb,gbn->gmn", xb, qb)
         y = jnp.sum(acc.astype(jnp.float32) * scale.astype(jnp.float32)[:, None, :], axis=0)
         return (y * x_scale).astype(compute_dtype)
     y = None
@@ -282,18 +287,6 @@ def _int4_product(x, packed, scale, colsum, block_size, compute_dtype, kernel):
         term = acc.astype(jnp.float32) * scale[g].astype(jnp.float32)
         y = term if y is None else y + term
     return (y * x_scale).astype(compute_dtype)
-
-
-def _integer_dot(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """The int32 ``einsum(equation, a, b)`` of int8 ``a`` and unpacked int4 ``b``: XLA's int8 dot
-    on a CPU, a float32 one (``HIGHEST`` precision) elsewhere. On an H200 (jax 0.11.2) XLA:GPU's
-    Triton int8 GEMMs gave wrong int4 products: a block of 2 rows (K = 50 in blocks of 16) wrong in
-    a quarter of its accumulators, and, with K = 48 in blocks of 16 whose accumulators alone were
-    right, whole outputs twice the CPU's (experiments/gpu_int4_diag.py; all right with
-    ``--xla_gpu_enable_triton_gemm=false``). Each product is at most 127 * 8 in size, so the
-    float32 sums are exact while below 2**24: blocks of up to 16512 rows; past that, within
-    float32 rounding of the integer sums."""
-    return _int8_accumulate.integer_on_cpu(equation, a, b)
 
 
 def _int4_matmul_bwd(block_size, compute_dtype, kernel, residuals, g):
