@@ -66,12 +66,19 @@ def test_summary_figures_are_consistent(trained, result):
     # outside it: float32's median pools rounds of other phases).
     low, high = s["speedup_vs_float32_interval"]
     assert s["speedup_vs_float32"] == s["chosen"]["speedup_vs_float32"] and low <= s["speedup_vs_float32"] <= high
-    # A uniform policy within budget whose median is more than 2% faster than the choice was
-    # challenged and lost on its confidence interval (a noisy median alone does not decide).
+    # A uniform policy within budget whose median is more than 2% faster than the choice lost on
+    # a confidence interval (a noisy median alone does not decide): challenging, its interval's
+    # lower bound under the margin; or as the incumbent (float32 first), replaced by a challenger
+    # whose lower bound cleared it (a busy CI machine gave float32 the lower pooled median while
+    # int8 replaced it at 1.083x [1.028, 1.099]).
+    def lower(line):
+        return float(line.split("[")[1].split(",")[0])
+
     for name, u in s["uniform"].items():
         if u["meets_budget"] and u["measured_latency_s"] * 1.02 < s["chosen"]["measured_latency_s"]:
-            lines = [d for d in result.decisions if d.startswith(f"uniform {name} does not replace")]
-            assert lines and float(lines[0].split("[")[1].split(",")[0]) < 1.02, (name, result.decisions)
+            lost = [d for d in result.decisions if d.startswith(f"uniform {name} does not replace")]
+            beaten = [d for d in result.decisions if f" replaces uniform {name}:" in d]
+            assert (lost and lower(lost[0]) < 1.02) or (beaten and lower(beaten[0]) >= 1.02), (name, result.decisions)
     assert set(s["uniform"]) == set(search.DEFAULT_CANDIDATES)
     assert s["layers"] == 3 and s["evaluations"]["total"] >= 1
     assert s["fingerprint"] == search.hardware.fingerprint(s["hardware"])
