@@ -19,7 +19,10 @@ within rounds, with their quartiles):
   ``.quantize(...)`` (JAX backend, ``stateless_call`` in the same compiled loop).
 
 The bandwidth probe sums a 256 MB float32 array (read once per call); at batch 1 each kernel's
-share of that limit is ``weight bytes / time / bandwidth``.
+share of that limit is ``weight bytes / time / bandwidth``. Beside the kernels at those batches,
+``read int8 bytes`` and ``read int4 bytes`` are XLA's read-only sums over as many bytes as the
+int8 and int4 weights, timed the same way: what reading one layer's bytes costs on the machine,
+arithmetic aside.
 
 At batch 1 (``--streamed-batches``) the candidates are timed as a decoder runs its layers
 instead: each in one program of at least 16 dependent calls cycling through copies of its weights
@@ -125,6 +128,22 @@ def candidates(m: int, k: int, n: int, seed: int) -> tuple[dict[str, Candidate],
     return out, nbytes
 
 
+def reads(k: int, n: int, seed: int) -> tuple[dict[str, Candidate], dict[str, int]]:
+    """XLA's read-only sum over as many bytes as the int8 and the int4 weights of ``K x N`` (a
+    float32 array of that size): no arithmetic to speak of, so the time the machine takes to read
+    those bytes in a chain of dependent calls, the ceiling a kernel of that size can reach, beside
+    the 256 MB probe's (at batch 1 an 8 MB read starts, and its two threads meet, 8 MB at a time)."""
+    rng = np.random.default_rng(seed + 1)
+    out, nbytes = {}, {}
+    for label, size in (("read int8 bytes", k * n), ("read int4 bytes", k * n // 2)):
+        data = jnp.asarray(rng.standard_normal(max(1, size // 4)).astype(np.float32))
+        # The sum depends on x (its first value added to every element, in one fused reduction), so
+        # XLA can neither hoist it out of the chain nor share it between calls on the same copy.
+        out[label] = Candidate(lambda d, x_: jnp.sum(d + x_[0, 0])[None], (jnp.ones((1, k), jnp.float32),), state=data)
+        nbytes[label] = data.nbytes
+    return out, nbytes
+
+
 def _other_paths() -> list[str]:
     """The SIMD paths this CPU has besides the one in use (the portable one left out)."""
     best = cpu_kernels.path()
@@ -213,6 +232,8 @@ def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
     after a pause of 0.1-0.5 s, float32 4.34 against 3.65-3.79 ms: a transient of the machine,
     not of the candidate), ratios paired within rounds."""
     cands, nbytes = candidates(m, k, n, seed)
+    read_cands, read_bytes = reads(k, n, seed)
+    cands, nbytes = {**cands, **read_cands}, {**nbytes, **read_bytes}
     rng = np.random.default_rng(seed)
     runners, resident = {}, {}
     for name, cand in cands.items():
