@@ -673,3 +673,32 @@ def test_ops_asked_for_the_cpu_kernel_lower_to_xla_off_a_cpu(op):
     on_gpu = _exported_text(fn, "cuda", *args)
     assert "autopolicy_" not in on_gpu
     assert "stablehlo.dot_general" in on_gpu
+
+
+# --- the benchmark's bare reads (experiments/bench_cpu_kernels.py) ----------------------------
+
+
+def test_the_benchmarks_reads_cover_the_weights_bytes_and_depend_on_the_input():
+    """The reads timed beside the kernels read as many bytes as the int8 and int4 weights, and
+    their sums change with the call's input (XLA can neither hoist one out of a chain of calls
+    nor share it between calls on the same copy: a read it could hoist ran at 4x the probe)."""
+    import importlib.util  # pylint: disable=import-outside-toplevel
+    import pathlib  # pylint: disable=import-outside-toplevel
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench_cpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_cpu_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    reads, nbytes = bench.reads(96, 40, seed=0)
+    assert nbytes == {"read int8 bytes": 96 * 40, "read int4 bytes": 96 * 40 // 2}
+    for name, read in reads.items():
+        assert read.state.nbytes == nbytes[name] and read.state.dtype == jnp.float32
+        x = read.inputs[0]
+        assert x.shape == (1, 96)
+        once, shifted = read.fn(read.state, x), read.fn(read.state, x + 1.0)
+        assert once.shape == (1,)
+        # x[0, 0] is added to every element read: one more adds one per element to the sum.
+        np.testing.assert_allclose(float(shifted[0] - once[0]), read.state.size, rtol=1e-4)
+        np.testing.assert_allclose(float(once[0]), float(np.sum(np.asarray(read.state, np.float64) + 1.0)),
+                                   rtol=1e-5, atol=1e-3)
