@@ -21,6 +21,9 @@ def test_readme_has_exactly_the_two_setup_commands():
         capture_output=True, text=True, check=True,
     ).stdout.strip()
     assert ci.endswith('python -m pytest -n auto --dist loadscope -m "not slow"') and "[dev]" in ci
+    # Built without pip's isolated build environment, so what the build needs comes first.
+    requirements, _, rest = ci.partition("--no-build-isolation")
+    assert rest and all(r in requirements for r in ('"setuptools>=77"', "wheel", "jaxlib"))
     # The slow tests are not left out: CI runs them as the slow tier (the two make the whole suite).
     slow = README.split("<!-- tier-command: slow -->")[1].split("```bash\n")[1].split("\n")[0]
     assert slow == ".venv/bin/python -m pytest -n auto --dist loadscope -m slow"
