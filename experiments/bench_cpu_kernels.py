@@ -223,6 +223,18 @@ def _chained(fn, length: int):
     return jax.jit(run)
 
 
+def _copies(nbytes: int, budget: int) -> int:
+    """How many copies of ``nbytes`` of weights a streamed candidate cycles through: ``budget``
+    bytes of them, at most 64."""
+    return int(min(64, max(1, -(-budget // max(1, nbytes)))))
+
+
+def _cached(nbytes: int, budget: int) -> bool:
+    """Whether a streamed candidate's copies come to less than ``budget``: partly read from the
+    caches."""
+    return _copies(nbytes, budget) * nbytes < budget
+
+
 def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
                    target: float = 0.02, pause: float = 0.1) -> list[dict[str, Any]]:
     """As :func:`bench`, but each candidate runs as a decoder meets its layers: in one program of
@@ -234,13 +246,13 @@ def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
     after a pause of 0.1-0.5 s, float32 4.34 against 3.65-3.79 ms: a transient of the machine,
     not of the candidate), ratios paired within rounds."""
     cands, nbytes = candidates(m, k, n, seed)
-    if 64 * (k * n // 2) >= budget:  # the reads stream from memory (see reads)
+    if not _cached(k * n // 2, budget):  # the smaller read, of the int4 bytes, streams too (see reads)
         read_cands, read_bytes = reads(k, n, seed)
         cands, nbytes = {**cands, **read_cands}, {**nbytes, **read_bytes}
     rng = np.random.default_rng(seed)
     runners, resident = {}, {}
     for name, cand in cands.items():
-        copies = int(min(64, max(1, -(-budget // max(1, nbytes[name])))))
+        copies = _copies(nbytes[name], budget)
         length = max(16, copies)
         states = [cand.state] + [jax.tree_util.tree_map(jnp.copy, cand.state) for _ in range(copies - 1)]
         program, x = _chained(cand.fn, length), cand.inputs[0]
@@ -257,7 +269,7 @@ def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
             return (time.perf_counter() - start) / calls
         path = next((p for p in _other_paths() if name.endswith(f" {p}")), None)
         runners[name] = _on_path(run, path) if path else run
-        resident[name] = copies * nbytes[name] < budget
+        resident[name] = _cached(nbytes[name], budget)
     samples = {name: [] for name in runners}
     for _ in range(repeats):
         for i in rng.permutation(len(runners)):

@@ -290,8 +290,9 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
       // rounds a run, four runs, 2-core Zen 3 EPYC, AVX2): 4096 x 4096 int4 0.98-1.05x at batch 1
       // (A/A 0.96-0.99x), 1.06-1.10x at 2 (A/A 0.98-1.03x). Fetched to L2 (T1) it was 0.99-1.00x
       // at batch 1, NTA 1.00-1.04x.
-      const uint8_t* block_ahead = !narrow && width == n && jg + 16 <= j1 && rows == 8 ? w + (jg + 8) * n : nullptr;
-      const bool lead = !narrow && block_ahead == nullptr && jg + 16 <= j1 && rows == 8;
+      const bool wide_full_pass = !narrow && jg + 16 <= j1 && rows == 8;  // a next pass of 8 rows in range
+      const uint8_t* block_ahead = wide_full_pass && width == n ? w + (jg + 8) * n : nullptr;
+      const bool lead = wide_full_pass && width != n;
       for (int64_t c = n0; c < n1; c += 32) {
         if (block_ahead != nullptr) {
           const char* p = reinterpret_cast<const char*>(block_ahead + 8 * (c - n0));
