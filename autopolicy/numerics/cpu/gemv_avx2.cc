@@ -169,12 +169,24 @@ void int8_stream_bytes(const int8_t* x, int64_t k, const int8_t* w, int64_t n, i
       for (int r = 0; r < R; ++r) {
         xq[u][r] = _mm256_set1_epi32(quad_of(x + r * k, i + 4 * u, k));
       }
-    // The next pass's rows (narrow ranges), fetched while this one runs (one line of each row per 64
-    // columns).
-    const bool narrow = n1 - n0 <= kNarrowColumns;
-    const int8_t* ahead = narrow && i + 8 * Q <= k ? w + (i + 4 * Q) * n : nullptr;
-    const bool lead = !narrow && i + 8 * Q <= k;
+    // The next pass's rows (narrow ranges), fetched while this one runs. Over whole rows (n0 = 0,
+    // n1 = n) they are one contiguous stretch of 4 * Q * n bytes, fetched line by line in order,
+    // 4 * Q * 32 bytes of it per 32 columns of this pass; over part of each row, one line of each
+    // row per 64 columns. A bare read of a 576 x 576 layer's bytes in this order (16 rows, 32
+    // bytes of each a step) took 52-56 us with the row-by-row fetch and 30-36 us with the in-order
+    // one, 27-29 us read front to back (one thread, 64 copies in turn, 2-core Zen 3 EPYC). In the
+    // kernel, with 8 rows a pass (int8_rows), against the row-by-row fetch and 16 rows:
+    // 1.14-1.15x (median of eight layer shapes and batches, 576 x 576 to 1536 x 576, batch 1 and
+    // 2, two runs of experiments/ab_cpu_kernels.py --layers, 41 rounds; an A/A pair 0.99-1.00x);
+    // with 16 rows a pass 1.08-1.12x; fetching two passes ahead 0.87-0.99x.
+    const bool narrow = n1 - n0 <= kNarrowColumns, next_pass = i + 8 * Q <= k;
+    const bool whole_rows = n0 == 0 && n1 == n;
+    const char* in_order = narrow && next_pass && whole_rows ? reinterpret_cast<const char*>(w + (i + 4 * Q) * n) : nullptr;
+    const int8_t* ahead = narrow && next_pass && !whole_rows ? w + (i + 4 * Q) * n : nullptr;
+    const bool lead = !narrow && next_pass;
     for (int64_t c = n0; c < n1; c += 32) {
+      if (in_order != nullptr)
+        for (int q = 0; q < 2 * Q; ++q) _mm_prefetch(in_order + 4 * Q * c + 64 * q, _MM_HINT_T0);
       if (ahead != nullptr && ((c - n0) & 32) == 0)
         for (int j = 0; j < 4 * Q; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * n + c), _MM_HINT_T0);
       if (lead && ((c - n0) & 32) == 0) {
@@ -219,7 +231,9 @@ void int8_rows(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t n
   // Four rows of x would need 16 sums of 8 lanes: more registers than there are.
   if (R <= 2 && n1 - n0 >= 32 && within_127<R>(x, k)) {
     const int64_t end = n0 + (n1 - n0) / 32 * 32;
-    if (n1 - n0 <= kNarrowColumns)
+    // Narrow ranges of whole rows (a decoder projection's K slab, or all of a small one) take 8
+    // rows a pass and fetch the next pass in order (see int8_stream_bytes); other narrow ranges 16.
+    if (n1 - n0 <= kNarrowColumns && !(n0 == 0 && end == n))
       int8_stream_bytes<R, kBytePassQuads>(x, k, w, n, n0, end, acc);
     else
       int8_stream_bytes<R, kWideBytePassQuads>(x, k, w, n, n0, end, acc);
@@ -282,17 +296,20 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
       // int4 too 256 bytes was the best lead: 128, 512 and 1024 ran at 0.76-0.96x of its speed
       // (4096 x 4096 slabs and the head, batch 1, one run each).
       const bool narrow = width <= kNarrowColumns;
-      const uint8_t* ahead = narrow && jg + 16 <= pairs ? w + (jg + 8) * n : nullptr;
-      // Over whole rows (per-channel int4's K slabs: a 4096 x 4096 layer's rows are 4 KB each) the
-      // next pass's 8 rows are one contiguous stretch; it is fetched line by line in order, 256
-      // bytes of it per 32 columns of this pass, so it has all arrived when the pass ends. Paired
+      // Over whole rows (per-channel int4's K slabs: a 4096 x 4096 layer's rows are 4 KB each, a
+      // 576-wide projection's 576 bytes) the next pass's 8 rows are one contiguous stretch; it is
+      // fetched line by line in order, 256 bytes of it per 32 columns of this pass, so it has all
+      // arrived when the pass ends. Over narrow whole rows, in place of each row's line a pass
+      // ahead, together with K slabs from 512 rows (ffi.cc): 1.11x (median of the same eight
+      // shapes and batches as int8_stream_bytes', two runs; int8 unchanged 1.02x). Paired
       // against each row's line 256 bytes ahead (experiments/ab_cpu_kernels.py --layers, 41
       // rounds a run, four runs, 2-core Zen 3 EPYC, AVX2): 4096 x 4096 int4 0.98-1.05x at batch 1
       // (A/A 0.96-0.99x), 1.06-1.10x at 2 (A/A 0.98-1.03x). Fetched to L2 (T1) it was 0.99-1.00x
       // at batch 1, NTA 1.00-1.04x.
-      const bool wide_full_pass = !narrow && jg + 16 <= j1 && rows == 8;  // a next pass of 8 rows in range
-      const uint8_t* block_ahead = wide_full_pass && width == n ? w + (jg + 8) * n : nullptr;
-      const bool lead = wide_full_pass && width != n;
+      const bool full_pass = jg + 16 <= j1 && rows == 8;  // a next pass of 8 rows in range
+      const uint8_t* block_ahead = full_pass && width == n ? w + (jg + 8) * n : nullptr;
+      const bool lead = !narrow && full_pass && width != n;
+      const uint8_t* ahead = narrow && block_ahead == nullptr && jg + 16 <= pairs ? w + (jg + 8) * n : nullptr;
       for (int64_t c = n0; c < n1; c += 32) {
         if (block_ahead != nullptr) {
           const char* p = reinterpret_cast<const char*>(block_ahead + 8 * (c - n0));
