@@ -124,8 +124,8 @@ def test_int4_products_match_the_exact_sum(path, rows, k, n, block, path_restore
 
 @needs_kernels
 @pytest.mark.parametrize("path", PATHS)
-# Past the serial 128 KB: K >= 2048 at any width, and K >= 512 over at most 2048 columns (odd K,
-# N not a multiple of 32 and whole 32-column rows, fetched ahead in order).
+# Past the serial 128 KB: K >= 2048 at any width, and K >= 512 over at most 2048 columns: odd K
+# over rows of whole 32-column steps (the next pass fetched in order), and N not a multiple of 32.
 @pytest.mark.parametrize("rows,k,n", [(1, 4100, 72), (3, 2050, 70), (4, 16512, 32), (1, 577, 576), (2, 1536, 200)])
 def test_long_per_channel_int4_split_over_k_is_exact(path, rows, k, n, path_restored):
     """Few rows over K >= 2048 (or K >= 512 over narrow layers), per channel: K is split into
