@@ -26,9 +26,9 @@ constexpr int64_t kColumnsPerTask = 64;
 // least kSlabRows rows.
 constexpr int64_t kSlabs = 8, kSlabRows = 256, kSlabMaxRows = 4;
 // Per-channel int4 of few rows splits K into slabs from kInt4SlabMinK rows (from
-// kInt4NarrowSlabMinK over at most kNarrowColumns columns) up to the longest K whose sums stay
-// exact in float32 (127 * 8 * K < 2**24).
-constexpr int64_t kInt4SlabMinK = 2048, kInt4NarrowSlabMinK = 512, kInt4ExactK = 16512;
+// kInt4NarrowSlabMinK at up to kInt4NarrowSlabMaxRows rows over at most kNarrowColumns columns)
+// up to the longest K whose sums stay exact in float32 (127 * 8 * K < 2**24).
+constexpr int64_t kInt4SlabMinK = 2048, kInt4NarrowSlabMinK = 512, kInt4NarrowSlabMaxRows = 2, kInt4ExactK = 16512;
 // Rescaled outputs (rows x columns) up to this many run on the calling thread alone.
 constexpr int64_t kSerialEpilogue = 1 << 16;
 
@@ -182,8 +182,9 @@ void int4_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
     return;
   }
   const int64_t slabs = std::min<int64_t>(kSlabs, k / kSlabRows);
-  if (!run_on.serial && groups == 1 && (k >= kInt4SlabMinK || (k >= kInt4NarrowSlabMinK && n <= kNarrowColumns)) &&
-      k <= kInt4ExactK && m <= kSlabMaxRows && n >= 32) {
+  const bool narrow_slabs = k >= kInt4NarrowSlabMinK && n <= kNarrowColumns && m <= kInt4NarrowSlabMaxRows;
+  if (!run_on.serial && groups == 1 && (k >= kInt4SlabMinK || narrow_slabs) && k <= kInt4ExactK && m <= kSlabMaxRows &&
+      n >= 32) {
     // Per channel, few rows, long K: slabs of K rows as int8_product takes them (each one stream
     // over whole rows, with the wide ranges' fetching ahead), each run with unit scales, so its
     // outputs are its int32 sums as floats, exact (|sum| <= 127 * 8 * K < 2**24), and so is their
@@ -192,8 +193,9 @@ void int4_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
     // 0.93-1.04x (two runs), so shorter K kept the column split (experiments/ab_cpu_kernels.py
     // --layers, 41 rounds a run, 2-core AMD EPYC, AVX2; int8, unchanged, 0.98-1.02x). Since the
     // stream fetches the next pass of whole narrow rows in order (gemv_avx2.cc), narrow layers
-    // from K = 512 split too (576- and 1536-long K, 192-1536 wide: see int4_stream); the
-    // 576 x 49152 head did not gain from slabs (0.60-0.63x) and keeps the column split.
+    // from K = 512 split too at batch 1-2 (576- and 1536-long K, 192-1536 wide: see int4_stream;
+    // at batch 4 0.90-1.01x, at 3 0.97-1.12x, two runs each); the 576 x 49152 head did not gain
+    // from slabs (0.60-0.63x) and keeps the column split.
     const int64_t step = slab_step(k, slabs), count = (k + step - 1) / step;
     std::vector<float> partial(static_cast<size_t>(count * m * n)), ones(static_cast<size_t>(n), 1.0f);
     float* parts = partial.data();
