@@ -27,6 +27,10 @@
 namespace autopolicy_cpu {
 namespace {
 
+// Whether columns [n0, n1) are whole rows of the n-wide weights: then a pass's rows, and the next
+// pass's, are each one contiguous stretch (fetched ahead in order).
+inline bool whole_rows(int64_t n0, int64_t n1, int64_t n) { return n0 == 0 && n1 == n; }
+
 inline __m256i pair_of(const int8_t* x, int64_t i, int64_t k) {
   const int32_t a = x[i];
   const int32_t b = i + 1 < k ? x[i + 1] : 0;
@@ -174,15 +178,15 @@ void int8_stream_bytes(const int8_t* x, int64_t k, const int8_t* w, int64_t n, i
     // 4 * Q * 32 bytes of it per 32 columns of this pass; over part of each row, one line of each
     // row per 64 columns. A bare read of a 576 x 576 layer's bytes in this order (16 rows, 32
     // bytes of each a step) took 52-56 us with the row-by-row fetch and 30-36 us with the in-order
-    // one, 27-29 us read front to back (one thread, 64 copies in turn, 2-core Zen 3 EPYC). In the
+    // one, 27-34 us read front to back (one thread, 64 copies in turn, 2-core Zen 3 EPYC). In the
     // kernel, with 8 rows a pass (int8_rows), against the row-by-row fetch and 16 rows:
     // 1.14-1.15x (median of eight layer shapes and batches, 576 x 576 to 1536 x 576, batch 1 and
     // 2, two runs of experiments/ab_cpu_kernels.py --layers, 41 rounds; an A/A pair 0.99-1.00x);
-    // with 16 rows a pass 1.08-1.12x; fetching two passes ahead 0.87-0.99x.
+    // with 16 rows a pass 1.07-1.13x; fetching two passes ahead 0.87-0.99x (eight shapes, one run).
     const bool narrow = n1 - n0 <= kNarrowColumns, next_pass = i + 8 * Q <= k;
-    const bool whole_rows = n0 == 0 && n1 == n;
-    const char* in_order = narrow && next_pass && whole_rows ? reinterpret_cast<const char*>(w + (i + 4 * Q) * n) : nullptr;
-    const int8_t* ahead = narrow && next_pass && !whole_rows ? w + (i + 4 * Q) * n : nullptr;
+    const bool whole = whole_rows(n0, n1, n);
+    const char* in_order = narrow && next_pass && whole ? reinterpret_cast<const char*>(w + (i + 4 * Q) * n) : nullptr;
+    const int8_t* ahead = narrow && next_pass && !whole ? w + (i + 4 * Q) * n : nullptr;
     const bool lead = !narrow && next_pass;
     for (int64_t c = n0; c < n1; c += 32) {
       if (in_order != nullptr)
@@ -233,7 +237,7 @@ void int8_rows(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t n
     const int64_t end = n0 + (n1 - n0) / 32 * 32;
     // Narrow ranges of whole rows (a decoder projection's K slab, or all of a small one) take 8
     // rows a pass and fetch the next pass in order (see int8_stream_bytes); other narrow ranges 16.
-    if (n1 - n0 <= kNarrowColumns && !(n0 == 0 && end == n))
+    if (n1 - n0 <= kNarrowColumns && !whole_rows(n0, end, n))
       int8_stream_bytes<R, kBytePassQuads>(x, k, w, n, n0, end, acc);
     else
       int8_stream_bytes<R, kWideBytePassQuads>(x, k, w, n, n0, end, acc);
@@ -300,15 +304,16 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
       // 576-wide projection's 576 bytes) the next pass's 8 rows are one contiguous stretch; it is
       // fetched line by line in order, 256 bytes of it per 32 columns of this pass, so it has all
       // arrived when the pass ends. Over narrow whole rows, in place of each row's line a pass
-      // ahead, together with K slabs from 512 rows (ffi.cc): 1.11x (median of the same eight
-      // shapes and batches as int8_stream_bytes', two runs; int8 unchanged 1.02x). Paired
+      // ahead, together with K slabs from 512 rows (ffi.cc): 1.09-1.13x (medians of the same eight
+      // shapes and batches as int8_stream_bytes', two runs; int8 unchanged 1.02-1.03x). Paired
       // against each row's line 256 bytes ahead (experiments/ab_cpu_kernels.py --layers, 41
       // rounds a run, four runs, 2-core Zen 3 EPYC, AVX2): 4096 x 4096 int4 0.98-1.05x at batch 1
       // (A/A 0.96-0.99x), 1.06-1.10x at 2 (A/A 0.98-1.03x). Fetched to L2 (T1) it was 0.99-1.00x
       // at batch 1, NTA 1.00-1.04x.
       const bool full_pass = jg + 16 <= j1 && rows == 8;  // a next pass of 8 rows in range
-      const uint8_t* block_ahead = full_pass && width == n ? w + (jg + 8) * n : nullptr;
-      const bool lead = !narrow && full_pass && width != n;
+      const bool whole = whole_rows(n0, n1, n);
+      const uint8_t* block_ahead = full_pass && whole ? w + (jg + 8) * n : nullptr;
+      const bool lead = !narrow && full_pass && !whole;
       const uint8_t* ahead = narrow && block_ahead == nullptr && jg + 16 <= pairs ? w + (jg + 8) * n : nullptr;
       for (int64_t c = n0; c < n1; c += 32) {
         if (block_ahead != nullptr) {
