@@ -280,11 +280,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", action="store_true", help="time whole layers (float in, float out)")
     parser.add_argument("--chain", type=int, default=16, help="dependent layer calls per jitted program")
     parser.add_argument("--weight-only", action="store_true", help="time the GPTQ/AWQ weight-only kernel")
+    parser.add_argument("--old-path", default=None,
+                        help="the SIMD path the other build runs (say, avx2 against the installed "
+                             "build's avx512_vnni: two paths of one build side by side)")
     args = parser.parse_args(argv)
     if not cpu_kernels.AVAILABLE:
         print(f"the CPU kernels are not available: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
         return 1
     lib = ctypes.CDLL(args.old)
+    if args.old_path is not None:
+        lib.autopolicy_cpu_set_path.argtypes = [ctypes.c_char_p]
+        lib.autopolicy_cpu_set_path.restype = ctypes.c_int
+        if not lib.autopolicy_cpu_set_path(args.old_path.encode()):
+            print(f"the other build cannot run path {args.old_path!r} here; this CPU runs "
+                  f"{list(cpu_kernels.supported_paths())}", file=sys.stderr)
+            return 2
     jax.ffi.register_ffi_target("ab_old_int8", jax.ffi.pycapsule(lib.AutopolicyInt8Matmul), platform="cpu")
     jax.ffi.register_ffi_target("ab_old_int4", jax.ffi.pycapsule(lib.AutopolicyInt4Matmul), platform="cpu")
     global _OLD_FUSED

@@ -58,12 +58,15 @@ def test_int8_accumulators_are_exact(path, rows, k, n, extremes, path_restored):
 
 @needs_kernels
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("rows,k,n", SHAPES + [(1, 577, 96), (4, 64, 64), (1, 70, 2113), (2, 530, 2080), (1, 520, 2100)])
+@pytest.mark.parametrize("rows,k,n", SHAPES + [(1, 577, 96), (4, 64, 64), (1, 70, 2113), (2, 530, 2080), (1, 520, 2100),
+                                     (2, 133, 192)])
 @pytest.mark.parametrize("operands", ["random", "extremes", "one_row_at_-128"])
 def test_int8_accumulators_are_exact_within_the_quantizers_range(path, rows, k, n, operands, path_restored):
     """x within [-127, 127], what the quantizer makes, where the AVX2 path multiplies bytes
     (|w| x sign-adjusted x: the largest pair, 2 x 128 x 127, must not saturate); with one row
-    holding a -128, that row's group of rows is summed the other way, the others still by bytes."""
+    holding a -128, that row's group of rows is summed the other way, the others still by bytes.
+    (2, 133, 192): two rows over whole rows a multiple of 64 wide, K not a multiple of 8, as the
+    VNNI stream's 8-row passes for narrow whole rows take them."""
     cpu_kernels.set_path(path)
     rng = np.random.default_rng(rows * k + n + 1)
     if operands == "extremes":

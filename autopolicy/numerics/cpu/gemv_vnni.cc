@@ -67,7 +67,7 @@ inline void to_quads(__m512i a, __m512i b, __m512i c, __m512i d, __m512i (&q)[4]
 }
 
 // The sums of 64 columns in quad order (four vectors) back in column order.
-inline void in_order(const __m512i (&s)[4], __m512i (&out)[4]) {
+inline void in_order_lanes(const __m512i (&s)[4], __m512i (&out)[4]) {
   const __m512i ab01 = _mm512_shuffle_i32x4(s[0], s[1], 0x44), cd01 = _mm512_shuffle_i32x4(s[2], s[3], 0x44);
   const __m512i ab23 = _mm512_shuffle_i32x4(s[0], s[1], 0xEE), cd23 = _mm512_shuffle_i32x4(s[2], s[3], 0xEE);
   out[0] = _mm512_shuffle_i32x4(ab01, cd01, 0x88);
@@ -78,14 +78,26 @@ inline void in_order(const __m512i (&s)[4], __m512i (&out)[4]) {
 
 // Quads of K rows a pass: the sums of a pass stay in registers, and go to memory (L1/L2: 4 bytes
 // per column and row of x) only between passes.
-constexpr int64_t kQuads = 4;
+constexpr int kQuads = 4;
+// The int8 stream over narrow whole rows at one or two rows of x (a decoder's projections, K
+// slabs of them) takes kNarrowQuads quads (8 K rows) a pass and fetches the next pass in order.
+// On a SmolLM2-135M decode step (experiments/smollm2_cpu_paths.py --rounds 4, int8 everywhere,
+// a 2-core Zen 4 EPYC with AVX-512 VNNI) that ran at 2.75-2.78x float32 in three runs, against
+// 2.52-2.68x with 16 rows a pass and the next pass fetched row by row (int4 with the in-order
+// fetch alone: 3.66-3.81x against 3.59-3.68x). With 16 rows and the in-order fetch, or 4 rows,
+// the layers were no faster than with 8 (experiments/ab_cpu_kernels.py --layers).
+constexpr int kNarrowQuads = 2;
+
+// Whether columns [n0, n1) are whole rows of the n-wide weights: then a pass's rows, and the next
+// pass's, are each one contiguous stretch (fetched ahead in order, as the AVX2 streams do).
+inline bool whole_rows(int64_t n0, int64_t n1, int64_t n) { return n0 == 0 && n1 == n; }
 
 thread_local std::vector<int32_t> t_quads, t_sums;
 
-// R rows of x times columns [n0, n1) (a multiple of 64 wide): 4 * kQuads K rows a pass (each
-// weight row read front to back), the int32 sums kept in acc in quad order between passes; the
-// last pass writes them in column order, less 128 * sum(x).
-template <int R>
+// R rows of x times columns [n0, n1) (a multiple of 64 wide): 4 * Q K rows a pass (each weight
+// row read front to back), the int32 sums kept in acc in quad order between passes; the last pass
+// writes them in column order, less 128 * sum(x).
+template <int R, int Q>
 void int8_stream(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1, int32_t* acc) {
   const int64_t count = (k + 3) / 4;
   pack_quads(x, R, k, t_quads);
@@ -93,26 +105,32 @@ void int8_stream(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t
   __m512i corr[R];
   for (int r = 0; r < R; ++r) corr[r] = _mm512_set1_epi32(128 * sum_of(x + r * k, 0, k));
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t i = 0; i < k; i += 4 * kQuads) {
-    const bool first = i == 0, last = i + 4 * kQuads >= k;
-    const int8_t* rows[4 * kQuads];
-    for (int j = 0; j < 4 * kQuads; ++j) rows[j] = i + j < k ? w + (i + j) * n : w;  // past K: x is 0 there
-    int32_t xw[kQuads][R];
-    for (int u = 0; u < kQuads; ++u)
+  for (int64_t i = 0; i < k; i += 4 * Q) {
+    const bool first = i == 0, last = i + 4 * Q >= k;
+    const int8_t* rows[4 * Q];
+    for (int j = 0; j < 4 * Q; ++j) rows[j] = i + j < k ? w + (i + j) * n : w;  // past K: x is 0 there
+    int32_t xw[Q][R];
+    for (int u = 0; u < Q; ++u)
       for (int r = 0; r < R; ++r) xw[u][r] = i / 4 + u < count ? xq[r * count + i / 4 + u] : 0;
     // The next pass's rows, fetched while this one runs (as int4_stream does), at one or two rows
     // of x (decoding: the weights stream from memory once; with more rows the passes re-read
-    // weights the caches hold, and the prefetches cost more than they bring) over narrow ranges.
-    const int8_t* ahead =
-        R <= 2 && n1 - n0 <= kNarrowColumns && i + 8 * kQuads <= k ? w + (i + 4 * kQuads) * n : nullptr;
+    // weights the caches hold, and the prefetches cost more than they bring) over narrow ranges:
+    // over whole rows one contiguous stretch of 4 * Q * n bytes, line by line in order (4 * Q
+    // lines per 64 columns of this pass), over part of each row one line of each row.
+    const bool fetch = R <= 2 && n1 - n0 <= kNarrowColumns && i + 8 * Q <= k;
+    const bool whole = whole_rows(n0, n1, n);
+    const char* in_order = fetch && whole ? reinterpret_cast<const char*>(w + (i + 4 * Q) * n) : nullptr;
+    const int8_t* ahead = fetch && !whole ? w + (i + 4 * Q) * n : nullptr;
     for (int64_t c = n0; c < n1; c += kChunk) {
+      if (in_order != nullptr)
+        for (int j = 0; j < 4 * Q; ++j) _mm_prefetch(in_order + 4 * Q * c + 64 * j, _MM_HINT_T0);
       if (ahead != nullptr)
-        for (int j = 0; j < 4 * kQuads; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * n + c), _MM_HINT_T0);
+        for (int j = 0; j < 4 * Q; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * n + c), _MM_HINT_T0);
       __m512i s[R][4];
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < 4; ++t)
           s[r][t] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(acc + r * n + c + 16 * t);
-      for (int u = 0; u < kQuads; ++u) {
+      for (int u = 0; u < Q; ++u) {
         __m512i q[4];
         to_quads(_mm512_xor_si512(_mm512_loadu_si512(rows[4 * u] + c), flip),
                  _mm512_xor_si512(_mm512_loadu_si512(rows[4 * u + 1] + c), flip),
@@ -127,7 +145,7 @@ void int8_stream(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t
         int32_t* p = acc + r * n + c;
         if (last) {
           __m512i ordered[4];
-          in_order(s[r], ordered);
+          in_order_lanes(s[r], ordered);
           for (int t = 0; t < 4; ++t) _mm512_storeu_si512(p + 16 * t, _mm512_sub_epi32(ordered[t], corr[r]));
         } else {
           for (int t = 0; t < 4; ++t) _mm512_storeu_si512(p + 16 * t, s[r][t]);
@@ -135,6 +153,16 @@ void int8_stream(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t
       }
     }
   }
+}
+
+// The int8 stream for R rows over [n0, n1): narrow whole rows at one or two rows of x take
+// kNarrowQuads quads a pass, the rest kQuads.
+template <int R>
+void int8_rows(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t n0, int64_t n1, int32_t* acc) {
+  if (R <= 2 && n1 - n0 <= kNarrowColumns && whole_rows(n0, n1, n))
+    int8_stream<R, kNarrowQuads>(x, k, w, n, n0, n1, acc);
+  else
+    int8_stream<R, kQuads>(x, k, w, n, n0, n1, acc);
 }
 
 // R rows of x times columns [n0, n1) (a multiple of 64 wide) of the packed int4 kernel, block by
@@ -164,7 +192,11 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
       for (int j = 0; j < 2 * kQuads; ++j) rows[j] = jg + j < j1 ? w + (jg + j) * n : w;  // x is 0 there
       // The next pass's rows (the next block's, after the last), fetched while this one runs:
       // a thread's share of a row can be too short for the hardware prefetchers to pick up.
-      const uint8_t* ahead = jg + 4 * kQuads <= pairs ? w + (jg + 2 * kQuads) * n : nullptr;
+      // Over whole rows that stretch is contiguous: fetched line by line in order (2 * kQuads
+      // lines per 64 columns of this pass).
+      const bool fetch = jg + 4 * kQuads <= pairs, whole = whole_rows(n0, n1, n);
+      const char* in_order = fetch && whole ? reinterpret_cast<const char*>(w + (jg + 2 * kQuads) * n) : nullptr;
+      const uint8_t* ahead = fetch && !whole ? w + (jg + 2 * kQuads) * n : nullptr;
       // Byte rows j, j + 1 are K rows 2j .. 2j + 3: quad j / 2 (j0 is even: blocks are a multiple of 4).
       int32_t xw[kQuads][R];
       for (int u = 0; u < kQuads; ++u)
@@ -174,6 +206,8 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < 4; ++t)
             s[r][t] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(sums + r * width + (c - n0) + 16 * t);
+        if (in_order != nullptr)
+          for (int j = 0; j < 2 * kQuads; ++j) _mm_prefetch(in_order + 2 * kQuads * c + 64 * j, _MM_HINT_T0);
         if (ahead != nullptr)
           for (int j = 0; j < 2 * kQuads; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * n + c), _MM_HINT_T0);
         for (int u = 0; u < kQuads; ++u) {
@@ -193,7 +227,7 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
             continue;
           }
           __m512i ordered[4];
-          in_order(s[r], ordered);
+          in_order_lanes(s[r], ordered);
           float* y = out + r * n + c;
           for (int t = 0; t < 4; ++t) {
             const __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ordered[t], corr[r])),
@@ -213,9 +247,9 @@ void int8_vnni(const int8_t* x, int64_t m, int64_t k, const int8_t* w, int64_t n
   const int64_t simd_end = k > 0 ? n0 + (n1 - n0) / kChunk * kChunk : n0;
   if (simd_end > n0) {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) int8_stream<4>(x + r * k, k, w, n, n0, simd_end, acc + r * n);
-    for (; r + 2 <= m; r += 2) int8_stream<2>(x + r * k, k, w, n, n0, simd_end, acc + r * n);
-    for (; r < m; ++r) int8_stream<1>(x + r * k, k, w, n, n0, simd_end, acc + r * n);
+    for (; r + 4 <= m; r += 4) int8_rows<4>(x + r * k, k, w, n, n0, simd_end, acc + r * n);
+    for (; r + 2 <= m; r += 2) int8_rows<2>(x + r * k, k, w, n, n0, simd_end, acc + r * n);
+    for (; r < m; ++r) int8_rows<1>(x + r * k, k, w, n, n0, simd_end, acc + r * n);
   }
   if (simd_end < n1) int8_avx2(x, m, k, w, n, simd_end, n1, acc);
 }
