@@ -64,11 +64,11 @@ def compare(k: int, n: int, m: int, rounds: int, seed: int = 0) -> str:
     scales = {block: jnp.asarray(rng.uniform(0.01, 2.0, (-(-k // block), n)).astype(np.float32)) for block in (k, 32)}
 
     def old_int8(x, w):
-        return jax.ffi.ffi_call("ab_old_int8", jax.ShapeDtypeStruct((m, n), jnp.int32))(x, w)
+        return jax.ffi.ffi_call("ab_old_int8", jax.ShapeDtypeStruct((m, n), jnp.int32))(x, w, **_OLD_ATTRS)
 
     def old_int4(block):
         return lambda x, p, s: jax.ffi.ffi_call("ab_old_int4", jax.ShapeDtypeStruct((m, n), jnp.float32))(
-            x, p, s, block=block)
+            x, p, s, block=block, **_OLD_ATTRS)
 
     def new_int4(block):
         return lambda x, p, s: cpu_kernels.int4_matmul(x, p, s, block)
@@ -219,14 +219,17 @@ def _chain(layer, length):
 # through them, so --layers compares build with build; older builds' layers are the package's XLA
 # quantization and rescale around their int8/int4 kernels.
 _OLD_FUSED = False
+# The attributes every int8/int4 call of the other build takes beyond its operands' (builds from
+# autopolicy_cpu_ffi_version 2 name a SIMD path; "" is the one in use).
+_OLD_ATTRS: dict = {}
 
 
 def _old_int8_layer(x, w, w_scale):
     if _OLD_FUSED:
         bias, out = cpu_kernels._dense_operands("int8_dense", x, w.shape[1], None, None)
-        return jax.ffi.ffi_call("ab_old_int8_dense", out)(x, w, w_scale.reshape((w.shape[1],)), bias)
+        return jax.ffi.ffi_call("ab_old_int8_dense", out)(x, w, w_scale.reshape((w.shape[1],)), bias, **_OLD_ATTRS)
     xq, xs = int8.quantize_symmetric(x, (1,))
-    acc = jax.ffi.ffi_call("ab_old_int8", jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.int32))(xq, w)
+    acc = jax.ffi.ffi_call("ab_old_int8", jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.int32))(xq, w, **_OLD_ATTRS)
     return acc.astype(jnp.float32) * (xs * w_scale)
 
 
@@ -234,10 +237,10 @@ def _old_int4_layer(x, packed, scale):
     k = x.shape[1]
     if _OLD_FUSED:
         bias, out = cpu_kernels._dense_operands("int4_dense", x, packed.shape[1], None, None)
-        return jax.ffi.ffi_call("ab_old_int4_dense", out)(x, packed, scale, bias, block=int(k))
+        return jax.ffi.ffi_call("ab_old_int4_dense", out)(x, packed, scale, bias, block=int(k), **_OLD_ATTRS)
     xq, xs = int8.quantize_symmetric(x, (1,))
     y = jax.ffi.ffi_call("ab_old_int4", jax.ShapeDtypeStruct((x.shape[0], packed.shape[1]), jnp.float32))(
-        xq, packed, scale, block=k)
+        xq, packed, scale, block=k, **_OLD_ATTRS)
     return y * xs
 
 
@@ -297,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     jax.ffi.register_ffi_target("ab_old_int8", jax.ffi.pycapsule(lib.AutopolicyInt8Matmul), platform="cpu")
     jax.ffi.register_ffi_target("ab_old_int4", jax.ffi.pycapsule(lib.AutopolicyInt4Matmul), platform="cpu")
-    global _OLD_FUSED
+    global _OLD_FUSED, _OLD_ATTRS
+    _OLD_ATTRS = {"path": ""} if hasattr(lib, "autopolicy_cpu_ffi_version") else {}
     _OLD_FUSED = hasattr(lib, "AutopolicyInt8Dense") and hasattr(lib, "AutopolicyInt4Dense")
     if _OLD_FUSED:
         jax.ffi.register_ffi_target("ab_old_int8_dense", jax.ffi.pycapsule(lib.AutopolicyInt8Dense), platform="cpu")

@@ -382,6 +382,70 @@ def test_the_fused_int4_dense_equals_the_unfused_call(path, rows, k, n, block, d
     np.testing.assert_array_equal(np.asarray(got).astype(np.float32), np.asarray(expected).astype(np.float32))
 
 
+# --- a SIMD path named per call: the "cpu_ffi_avx2" kernel (tactic) -----------------------------
+
+needs_avx2 = pytest.mark.skipif(not cpu_kernels.AVAILABLE or "avx2" not in PATHS, reason="this CPU runs no AVX2 path")
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 2, 20])  # the streams (K slabs at 1-2 rows) and the GEMMs
+@pytest.mark.parametrize("k,n", [(576, 192), (1536, 576), (577, 45)])
+def test_a_call_naming_the_avx2_path_runs_it_and_gives_the_same_outputs(rows, k, n, path_restored):
+    """The per-call path: the same outputs as the process-wide path set to AVX2, and the int8
+    ones equal to the path in use's bit for bit (int4 per channel as well; in blocks within float32
+    rounding of the sum over blocks, which paths may add in another order)."""
+    x = jnp.asarray(_float_input(rows, k, rows * k + n, adversarial=True))
+    q, w_scale = _int8_kernel(k, n, k + n, adversarial=True)
+    rng = np.random.default_rng(k * n)
+    packed = int4.pack_int4(jnp.asarray(rng.integers(-8, 8, (k, n)).astype(np.int8)))
+    scales = {block: jnp.asarray(rng.uniform(1e-3, 0.1, (-(-k // block), n)).astype(np.float32)) for block in (k, 32)}
+
+    def outputs(simd_path):
+        return [np.asarray(cpu_kernels.int8_dense(x, q, w_scale, simd_path=simd_path))] + [
+            np.asarray(cpu_kernels.int4_dense(x, packed, scales[b], b, simd_path=simd_path)) for b in (k, 32)]
+
+    named = outputs("avx2")
+    cpu_kernels.set_path("avx2")
+    np.testing.assert_array_equal(named, outputs(""))  # the path named per call is the path run
+    cpu_kernels.set_path(PATHS[0])
+    best = outputs("")
+    np.testing.assert_array_equal(named[0], best[0])
+    np.testing.assert_array_equal(named[1], best[1])
+    np.testing.assert_allclose(named[2], best[2], rtol=1e-6, atol=1e-6 * np.abs(best[2]).max())
+
+
+@needs_kernels
+def test_a_path_this_cpu_cannot_run_is_refused_naming_the_ones_it_can():
+    x, w = _int8_operands(1, 64, 16, seed=1)
+    with pytest.raises(ValueError, match=r"Invalid CPU kernel path\. Expected '' \(the one in use\) or one of "
+                                         r"\('.*'\) \(on this CPU\)\. Received: 'sse2'"):
+        cpu_kernels.int8_matmul(x, w, "sse2")
+    # Past the Python check (a program built elsewhere), the library refuses it, naming its paths.
+    call = jax.ffi.ffi_call("autopolicy_int8_matmul", jax.ShapeDtypeStruct((1, 16), jnp.int32))
+    with pytest.raises(Exception, match=r"path 'sse2' is not one this CPU runs; it runs 'portable'"):
+        jax.block_until_ready(jax.jit(lambda a, b: call(a, b, path="sse2"))(x, w))
+    with pytest.raises(ValueError, match=r"Invalid CPU kernel\. Expected one of \('cpu_ffi', 'cpu_ffi_avx2'\)\. "
+                                         r"Received: 'xla'"):
+        cpu_kernels.kernel_path("xla")
+
+
+@needs_kernels
+@pytest.mark.parametrize("features,distinct", [
+    (("avx2", "fma"), False),  # AVX2 is the best path: "cpu_ffi" runs it already
+    (("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"), True),
+    (("avx2", "fma", "avx_vnni"), True),
+    (("avx2", "fma", "avx512f", "avx512bw"), False),  # AVX-512 without VNNI: AVX2 is the best path
+    ((), False),  # an Arm CPU: no AVX2 at all
+])
+def test_the_avx2_kernel_is_a_tactic_of_its_own_only_where_the_best_path_is_another(features, distinct):
+    expected = distinct and "avx2" in PATHS  # and where this library runs AVX2
+    assert cpu_kernels.kernel_distinct_on("cpu_ffi_avx2", features) is expected
+    assert cpu_kernels.kernel_distinct_on("cpu_ffi", features) is True
+    device = Device("cpu", "stand-in", cpu_features=features)
+    assert int8.int8_kernel_available("cpu_ffi_avx2", device) is (expected and jax.device_count() == 1)
+    assert int4.int4_kernel_available("cpu_ffi_avx2", device) is (expected and jax.device_count() == 1)
+
+
 @needs_kernels
 @pytest.mark.parametrize("k,n", [(576, 192), (1536, 576), (4096, 64)])
 def test_the_serial_threshold_changes_no_result(k, n):

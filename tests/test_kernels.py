@@ -166,8 +166,14 @@ RUNNABLE_INT8 = tuple(s.name for s in kernels.INT8_KERNEL_SPECS if s.runnable)
 
 
 def _ffi_on(device):
-    """The FFI kernels are worth timing on CPUs where the library is built (one device)."""
-    return ("cpu_ffi",) if device.platform == "cpu" and cpu_kernels.AVAILABLE and jax.device_count() == 1 else ()
+    """The FFI kernels are worth timing on CPUs where the library is built (one device); its AVX2
+    path as a kernel of its own where that CPU's best path is a VNNI one and this CPU runs AVX2."""
+    if not (device.platform == "cpu" and cpu_kernels.AVAILABLE and jax.device_count() == 1):
+        return ()
+    features = set(device.cpu_features)
+    vnni_best = {"avx512f", "avx512bw", "avx512_vnni"} <= features or "avx_vnni" in features
+    avx2_too = {"avx2", "fma"} <= features and "avx2" in cpu_kernels.supported_paths()
+    return ("cpu_ffi", "cpu_ffi_avx2") if vnni_best and avx2_too else ("cpu_ffi",)
 
 
 @pytest.mark.parametrize("name", list(SELECTION))
@@ -184,25 +190,26 @@ def test_candidates_are_the_kernels_worth_timing_default_first(name):
 
 def test_kernel_tables_name_each_kernel_once_per_mode():
     assert [m for m, _ in kernels.MODE_KERNELS] == ["int8", "int4", "float8", "gptq", "awq"]
-    assert tuple(s.name for s in kernels.kernel_specs("int8")) == int8.INT8_KERNELS == ("s8s8", "u8s8", "cpu_ffi")
-    assert tuple(s.name for s in kernels.kernel_specs("int4")) == int4.INT4_KERNELS == ("xla", "cpu_ffi")
+    assert tuple(s.name for s in kernels.kernel_specs("int8")) == int8.INT8_KERNELS == (
+        "s8s8", "u8s8", "cpu_ffi", "cpu_ffi_avx2")
+    assert tuple(s.name for s in kernels.kernel_specs("int4")) == int4.INT4_KERNELS == ("xla", "cpu_ffi", "cpu_ffi_avx2")
     assert tuple(s.name for s in kernels.kernel_specs("float8")) == float8.FLOAT8_KERNELS
     assert [(s.name, s.exact) for s in kernels.FLOAT8_KERNEL_SPECS] == [("emulated", True), ("fp8_dot", False)]
     assert all(s.exact for s in kernels.INT8_KERNEL_SPECS)
     assert kernels.kernel_spec("int8", "s8s8").op_names == ("einsum", "conv2d")
-    assert len({hash(s) for s in kernels.INT8_KERNEL_SPECS + kernels.INT4_KERNEL_SPECS + kernels.FLOAT8_KERNEL_SPECS}) == 7
+    assert len({hash(s) for s in kernels.INT8_KERNEL_SPECS + kernels.INT4_KERNEL_SPECS + kernels.FLOAT8_KERNEL_SPECS}) == 9
 
 
 def test_an_unknown_kernel_name_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match=r"Invalid int8 kernel\. Expected one of \('s8s8', 'u8s8', 'cpu_ffi'\)\. Received: kernel='vnni'"):
+    with pytest.raises(ValueError, match=r"Invalid int8 kernel\. Expected one of \('s8s8', 'u8s8', 'cpu_ffi', 'cpu_ffi_avx2'\)\. Received: kernel='vnni'"):
         kernels.kernel_spec("int8", "vnni")
     with pytest.raises(ValueError, match=r"'bfloat16' has no choice of kernels; modes with kernels: \('int8', 'int4', 'float8', 'gptq', 'awq'\)"):
         kernels.kernel_spec("bfloat16", "s8s8")
     with pytest.raises(ValueError, match=r"Invalid gptq kernel\. Expected one of \('xla', 'cpu_ffi'\)\. Received: kernel='s8s8'"):
         kernels.kernel_spec("gptq", "s8s8")
-    with pytest.raises(ValueError, match=r"Invalid int4 kernel\. Expected one of \('xla', 'cpu_ffi'\)\. Received: kernel='s8s8'"):
+    with pytest.raises(ValueError, match=r"Invalid int4 kernel\. Expected one of \('xla', 'cpu_ffi', 'cpu_ffi_avx2'\)\. Received: kernel='s8s8'"):
         kernels.kernel_spec("int4", "s8s8")
-    with pytest.raises(ValueError, match=r"Invalid int8 einsum kernel\. Expected one of \('s8s8', 'u8s8', 'cpu_ffi'\) \(or None"):
+    with pytest.raises(ValueError, match=r"Invalid int8 einsum kernel\. Expected one of \('s8s8', 'u8s8', 'cpu_ffi', 'cpu_ffi_avx2'\) \(or None"):
         int8.int8_dense(jnp.ones((2, 4)), jnp.ones((4, 3), jnp.int8), jnp.ones((1, 3)), jnp.float32, kernel="S8S8")
     with pytest.raises(ValueError, match=r"Invalid float8 kernel\. Expected one of \('emulated', 'fp8_dot'\)"):
         _fp8(gaussian((4, 8)), gaussian((8, 4)), jnp.float32, "fp8")

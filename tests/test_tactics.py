@@ -16,11 +16,14 @@ from autopolicy.search.cache import MeasurementCache
 from autopolicy.search.phases import LatencyProfile
 from tests.helpers import gaussian
 
-VNNI = Device("cpu", "stand-in Xeon", cpu_features=("avx2", "avx512f", "avx512_vnni"))
+VNNI = Device("cpu", "stand-in Xeon", cpu_features=("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"))
 AVX2 = Device("cpu", "stand-in EPYC", cpu_features=("avx2", "fma"))
 X = gaussian((64, 48), seed=3)
 #: autopolicy's FFI kernel, a candidate wherever its library is built.
 FFI = ("cpu_ffi",) if cpu_kernels.AVAILABLE and jax.device_count() == 1 else ()
+#: On the VNNI stand-in, its AVX2 path as well (a kernel of its own where this CPU runs AVX2);
+#: also what a layer can run here (kernel_choices: the kernels this process runs).
+FFI_VNNI = FFI + (("cpu_ffi_avx2",) if FFI and "avx2" in cpu_kernels.supported_paths() else ())
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,7 @@ def model():
 def test_with_kernels_runs_each_kernel_bit_identically_and_names_them(model):
     quantized = model.quantize("int8")
     y = np.asarray(quantized(X))
-    for name in ("s8s8", "u8s8") + FFI:
+    for name in ("s8s8", "u8s8") + FFI_VNNI:
         chosen = quantized.with_kernels({"m/a": name, "m/b": name})
         assert chosen.kernels() == {"m/a": name, "m/b": name}
         np.testing.assert_array_equal(np.asarray(chosen(X)), y)
@@ -41,7 +44,7 @@ def test_with_kernels_runs_each_kernel_bit_identically_and_names_them(model):
 
 def test_with_kernels_refuses_bad_paths_kernels_and_float_layers(model):
     quantized = model.quantize("int8")
-    with pytest.raises(ValueError, match=r"Expected one of \[('cpu_ffi', )?'s8s8', 'u8s8'\] or None. Received: 'vnni'"):
+    with pytest.raises(ValueError, match=r"Expected one of \[('cpu_ffi', )?('cpu_ffi_avx2', )?'s8s8', 'u8s8'\] or None. Received: 'vnni'"):
         quantized.with_kernels({"m/a": "vnni"})
     with pytest.raises(ValueError, match=r"'m/c' is not a layer path of 'm'; did you mean"):
         quantized.with_kernels({"m/c": "s8s8"})
@@ -68,9 +71,9 @@ def test_the_kernel_choice_is_saved_with_the_model(model, tmp_path):
 def test_kernel_choices_follow_the_device(model, monkeypatch):
     layer = model.quantize("int8").layers_by_path()["m/a"]
     monkeypatch.setattr(kernels, "current_device", lambda: AVX2)
-    assert layer.kernel_choices() == ("s8s8", "u8s8") + FFI
+    assert layer.kernel_choices() == ("s8s8", "u8s8") + FFI_VNNI
     monkeypatch.setattr(kernels, "current_device", lambda: VNNI)
-    assert layer.kernel_choices() == ("u8s8", "s8s8") + FFI
+    assert layer.kernel_choices() == ("u8s8", "s8s8") + FFI_VNNI
 
 
 def _timed_as(seconds, cv):
@@ -143,10 +146,10 @@ def test_the_search_times_every_kernel_and_keeps_the_fastest(model, monkeypatch,
         fresh = set()  # measured in this run: reused as they are, however noisy
         table = profiling.layer_latency(adapter, sites[0], cache, "fp", repeats=3, fresh=fresh)
         again = profiling.layer_latency(adapter, sites[0], cache, "fp", repeats=3, fresh=fresh)
-        timed = 3 + len(FFI)  # float32, int8 x its kernels
+        timed = 3 + len(FFI_VNNI)  # float32, int8 x its kernels
         assert (cache.hits, cache.misses) == (timed, timed)
     int8 = table["int8_from_float32"]
-    assert [name for name, _ in int8.tactics] == ["u8s8", "s8s8"] + list(FFI)
+    assert [name for name, _ in int8.tactics] == ["u8s8", "s8s8"] + list(FFI_VNNI)
     seconds = dict(int8.tactics)
     default = seconds["u8s8"]
     fastest = min(seconds, key=seconds.get)
@@ -175,7 +178,7 @@ def test_a_tuned_model_runs_the_kernels_its_profile_names(model, monkeypatch, tm
     profile = result.profile.set_index(["layer", "policy"])
     for path in ("m/a", "m/b"):
         row = profile.loc[(path, "int8_from_float32")]
-        assert row["kernel"] in ("s8s8", "u8s8") + FFI
+        assert row["kernel"] in ("s8s8", "u8s8") + FFI_VNNI
         assert row["tactics"].startswith("u8s8 ") and ", s8s8 " in row["tactics"]
         if result.policy_map[path].name == "int8_from_float32":
             assert result.model.layers_by_path()[path].kernel_choices()  # quantized

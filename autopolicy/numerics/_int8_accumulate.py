@@ -8,6 +8,7 @@ without one :func:`default_int8_kernel` follows the CPU's features.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -65,11 +66,13 @@ def column_sums(kernel_q: jax.Array, contract_axes: Sequence[int]) -> jax.Array:
 #: ``"s8s8"`` is XLA's s8 x s8 -> s32 dot; ``"u8s8"`` shifts the inputs by +128 into uint8,
 #: multiplies with the u8 x s8 -> s32 dot (:mod:`autopolicy.numerics._u8s8_dot`, the x86
 #: VNNI/AMX instruction) and subtracts the stored :func:`column_sums`; ``"cpu_ffi"`` is
-#: autopolicy's own CPU kernel (:mod:`autopolicy.numerics.cpu_kernels`, an XLA FFI call).
-INT8_KERNELS = ("s8s8", "u8s8", "cpu_ffi")
+#: autopolicy's own CPU kernel (:mod:`autopolicy.numerics.cpu_kernels`, an XLA FFI call) on the
+#: CPU's best SIMD path, ``"cpu_ffi_avx2"`` the same library on its AVX2 path (a tactic of its own
+#: on CPUs whose best path is another: :data:`~autopolicy.numerics.cpu_kernels.FFI_KERNELS`).
+INT8_KERNELS = ("s8s8", "u8s8", "cpu_ffi", "cpu_ffi_avx2")
 #: The kernels of each op (the u8 x s8 dot and the FFI kernel are matrix products, not
 #: convolutions).
-INT8_OP_KERNELS = (("einsum", ("s8s8", "u8s8", "cpu_ffi")), ("conv2d", ("s8s8",)))
+INT8_OP_KERNELS = (("einsum", ("s8s8", "u8s8", "cpu_ffi", "cpu_ffi_avx2")), ("conv2d", ("s8s8",)))
 
 
 def int8_kernel_available(kernel: str, device: Device) -> bool:
@@ -85,8 +88,8 @@ def int8_kernel_available(kernel: str, device: Device) -> bool:
     _check_kernel(kernel, INT8_KERNELS, "einsum")
     if kernel == "u8s8":
         return device.platform == "cpu" and _u8s8_dot.AVAILABLE
-    if kernel == "cpu_ffi":
-        return ffi_available(device)
+    if kernel in cpu_kernels.FFI_KERNELS:
+        return ffi_available(device) and cpu_kernels.kernel_distinct_on(kernel, device.cpu_features)
     return True
 
 
@@ -136,13 +139,14 @@ def _resolve_einsum_kernel(kernel: str | None, equation: str) -> str:
         if _matmul_plan(equation) is None:
             raise ValueError(f"The int8 kernel 'u8s8' runs einsums that are one matrix product (no "
                              f"batch axes); {equation!r} is not. Use kernel='s8s8'.")
-    if kernel == "cpu_ffi":
+    if kernel in cpu_kernels.FFI_KERNELS:
         if not cpu_kernels.AVAILABLE:
-            raise ValueError(f"The int8 kernel 'cpu_ffi' is not available here: "
+            raise ValueError(f"The int8 kernel {kernel!r} is not available here: "
                              f"{cpu_kernels.unavailable_reason()}. Use kernel='s8s8'.")
         if _matmul_plan(equation) is None:
-            raise ValueError(f"The int8 kernel 'cpu_ffi' runs einsums that are one matrix product (no "
+            raise ValueError(f"The int8 kernel {kernel!r} runs einsums that are one matrix product (no "
                              f"batch axes); {equation!r} is not. Use kernel='s8s8'.")
+        cpu_kernels.kernel_path(kernel)  # a path this CPU cannot run raises here
     return kernel
 
 
@@ -230,28 +234,31 @@ def _as_matmul(equation, x_q, kernel_q):
     return _sharding.reshape(x_t, (-1, k)), _sharding.reshape(k_t, (k, n)), back
 
 
-def _ffi_accumulate(equation, x_q, kernel_q, kernel_colsum):
+def _ffi_accumulate(equation, x_q, kernel_q, kernel_colsum, kernel="cpu_ffi"):
     del kernel_colsum
+    simd_path = cpu_kernels.kernel_path(kernel)
 
     def ffi(a, b):
         x2, k2, back = _as_matmul(equation, a, b)
-        return back(cpu_kernels.int8_matmul(x2, k2))
+        return back(cpu_kernels.int8_matmul(x2, k2, simd_path))
 
     # Off a CPU (no FFI target there), XLA's s8 x s8 product: the same accumulators.
     return cpu_kernels.on_cpu(ffi, lambda a, b: _s8s8_accumulate(equation, a, b, None), x_q, kernel_q)
 
 
 def ffi_dense(equation: str, x: jax.Array, kernel_q: jax.Array, kernel_scale: jax.Array,
-              compute_dtype: Any) -> jax.Array | None:
+              compute_dtype: Any, kernel: str = "cpu_ffi") -> jax.Array | None:
     """The whole int8 einsum (quantize ``x``, multiply, rescale) as one call of the CPU kernels'
     fused :func:`~autopolicy.numerics.cpu_kernels.int8_dense`, equal bit for bit to the XLA
-    quantization and rescale around the ``"cpu_ffi"`` accumulators; None where it does not apply
-    (an input or compute dtype other than float32 and bfloat16: the caller takes the unfused path).
+    quantization and rescale around the ``kernel`` accumulators (``"cpu_ffi"`` or
+    ``"cpu_ffi_avx2"``); None where it does not apply (an input or compute dtype other than float32
+    and bfloat16: the caller takes the unfused path).
 
     Raises:
-      ValueError: as :func:`int8_accumulate` with ``kernel="cpu_ffi"`` (not built, not one product).
+      ValueError: as :func:`int8_accumulate` with that kernel (not built, not one product, a path
+        this CPU cannot run).
     """
-    _resolve_einsum_kernel("cpu_ffi", equation)
+    _resolve_einsum_kernel(kernel, equation)
     dtypes = cpu_kernels.DENSE_DTYPES
     if jnp.dtype(x.dtype).name not in dtypes or jnp.dtype(compute_dtype).name not in dtypes:
         return None
@@ -260,10 +267,12 @@ def ffi_dense(equation: str, x: jax.Array, kernel_q: jax.Array, kernel_scale: ja
     x2, k2, back = _as_matmul(equation, x, kernel_q)
     # The scale keeps the kernel's layout (contracted axes of size 1): its columns in k2's order.
     w_scale = jnp.transpose(kernel_scale.astype(jnp.float32), [rhs.index(c) for c in summed + free_k])
-    return back(cpu_kernels.int8_dense(x2, k2, w_scale.reshape((k2.shape[1],)), out_dtype=compute_dtype))
+    return back(cpu_kernels.int8_dense(x2, k2, w_scale.reshape((k2.shape[1],)), out_dtype=compute_dtype,
+                                       simd_path=cpu_kernels.kernel_path(kernel)))
 
 
-_ACCUMULATE = {"s8s8": _s8s8_accumulate, "u8s8": _u8s8_accumulate, "cpu_ffi": _ffi_accumulate}
+_ACCUMULATE = {"s8s8": _s8s8_accumulate, "u8s8": _u8s8_accumulate, "cpu_ffi": _ffi_accumulate,
+               "cpu_ffi_avx2": functools.partial(_ffi_accumulate, kernel="cpu_ffi_avx2")}
 
 
 def int8_accumulate(equation: str, x_q: jax.Array, kernel_q: jax.Array, kernel: str | None = None,
@@ -282,8 +291,9 @@ def int8_accumulate(equation: str, x_q: jax.Array, kernel_q: jax.Array, kernel: 
         product.
 
     >>> x = jnp.array([[-127, 3]], jnp.int8); k = jnp.array([[2], [127]], jnp.int8)
+    >>> runs = ("",) + (cpu_kernels.supported_paths() if cpu_kernels.AVAILABLE else ())
     >>> {int8_accumulate("mk,kn->mn", x, k, name)[0, 0].item() for name in INT8_KERNELS
-    ...  if name != "cpu_ffi" or cpu_kernels.AVAILABLE}
+    ...  if name not in cpu_kernels.FFI_KERNELS or cpu_kernels.AVAILABLE and cpu_kernels.FFI_KERNELS[name] in runs}
     {127}
     """
     return _ACCUMULATE[_resolve_einsum_kernel(kernel, equation)](equation, x_q, kernel_q, kernel_colsum)

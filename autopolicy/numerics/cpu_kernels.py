@@ -38,7 +38,7 @@ import jax.numpy as jnp
 __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
            "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "serial_max_bytes",
            "set_serial_max_bytes", "spin_us", "set_spin_us", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "decode_attention", "DENSE_DTYPES",
-           "notice_once"]
+           "notice_once", "FFI_KERNELS", "kernel_path", "kernel_distinct_on"]
 
 #: Set to 1 to leave the kernels out (as on a machine without a compiler).
 DISABLE_ENV = "AUTOPOLICY_DISABLE_CPU_KERNELS"
@@ -49,6 +49,13 @@ _INT8_DENSE, _INT4_DENSE = "autopolicy_int8_dense", "autopolicy_int4_dense"
 _DECODE_ATTENTION = "autopolicy_decode_attention"
 #: The float dtypes :func:`int8_dense` and :func:`int4_dense` take and return.
 DENSE_DTYPES = ("float32", "bfloat16")
+
+#: The int8 and int4 kernel names (tactics) that run this library, and the SIMD path each asks
+#: for: ``"cpu_ffi"`` the one in use (:func:`path`: the CPU's best), ``"cpu_ffi_avx2"`` the AVX2
+#: path on a CPU whose best is another (AVX-512 or AVX-VNNI). Neither is assumed faster: on a
+#: 2-core Zen 4 EPYC (AVX-512 VNNI) the AVX2 streams ran a SmolLM2-135M decode step faster than
+#: the VNNI ones, its 576 x 192 layers slower; the search times both per layer and shape.
+FFI_KERNELS = {"cpu_ffi": "", "cpu_ffi_avx2": "avx2"}
 _log = logging.getLogger("autopolicy")
 
 
@@ -160,6 +167,54 @@ def set_path(name: str) -> None:
     _lib().autopolicy_cpu_set_path(name.encode())
 
 
+def kernel_path(kernel: str) -> str:
+    """The SIMD path the FFI kernel ``kernel`` (one of :data:`FFI_KERNELS`) asks for: ``""`` (the
+    one in use) or a path's name.
+
+    Raises:
+      ValueError: for a name that is not an FFI kernel, or a path this CPU cannot run.
+    """
+    if kernel not in FFI_KERNELS:
+        raise ValueError(f"Invalid CPU kernel. Expected one of {tuple(FFI_KERNELS)}. Received: {kernel!r}")
+    name = FFI_KERNELS[kernel]
+    if name and name not in supported_paths():
+        raise ValueError(f"The kernel {kernel!r} runs the {name} path, which this CPU cannot: it runs "
+                         f"{supported_paths()}. Use kernel='cpu_ffi'.")
+    return name
+
+
+#: The CPU features (:class:`~autopolicy.numerics.device.Device` names) each SIMD path needs.
+_PATH_FEATURES = {"avx512_vnni": ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"},),
+                  "avx_vnni": ({"avx2", "fma", "avx_vnni"},), "avx2": ({"avx2", "fma"},)}
+
+
+def kernel_distinct_on(kernel: str, cpu_features) -> bool:
+    """Whether the FFI kernel ``kernel`` runs code of its own on a CPU with ``cpu_features``: the
+    library loaded, and for a named path one this library and that CPU run but not the CPU's best
+    (which ``"cpu_ffi"`` already runs: timing the same code twice only adds noise to a search).
+
+    >>> kernel_distinct_on("cpu_ffi_avx2", ("avx2", "fma"))  # AVX2 is that CPU's best path
+    False
+    """
+    if kernel not in FFI_KERNELS:
+        raise ValueError(f"Invalid CPU kernel. Expected one of {tuple(FFI_KERNELS)}. Received: {kernel!r}")
+    if not AVAILABLE:
+        return False
+    name = FFI_KERNELS[kernel]
+    if not name:
+        return True
+    features = set(cpu_features)
+    runs = [p for p in PATHS if p in _PATH_FEATURES and any(need <= features for need in _PATH_FEATURES[p])]
+    return name in runs and runs[0] != name and name in supported_paths()
+
+
+def _path_attr(simd_path: str) -> str:
+    if simd_path and simd_path not in supported_paths():
+        raise ValueError(f"Invalid CPU kernel path. Expected '' (the one in use) or one of {supported_paths()} "
+                         f"(on this CPU). Received: {simd_path!r}")
+    return simd_path
+
+
 def gemm_min_rows(kind: str = "int8") -> int | None:
     """The fewest rows of x (the batch M) for which the ``kind`` (``"int8"`` or ``"int4"``) product
     runs the register-blocked GEMM of the current path (:func:`path`); below it, the
@@ -227,11 +282,13 @@ def _check(x: jax.Array, w: jax.Array, w_dtype: str, what: str) -> None:
         raise ValueError(f"{what}: the kernel must be a 2-D {w_dtype} array. Received: {w.dtype}{list(w.shape)}")
 
 
-def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` accumulated in int32, for int8 ``x: (M, K)`` and ``w: (K, N)``.
+def int8_matmul(x: jax.Array, w: jax.Array, simd_path: str = "") -> jax.Array:
+    """``x @ w`` accumulated in int32, for int8 ``x: (M, K)`` and ``w: (K, N)``, on the SIMD path
+    ``simd_path`` (``""``: the one in use, :func:`path`; else one of :func:`supported_paths`).
 
     Raises:
-      ValueError: for operands of other ranks, dtypes or mismatched ``K``.
+      ValueError: for operands of other ranks, dtypes or mismatched ``K``, or a path this CPU
+        cannot run.
       RuntimeError: when the kernels are not available (see :func:`unavailable_reason`).
     """
     _check(x, w, "int8", "int8_matmul")
@@ -239,14 +296,15 @@ def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
         raise ValueError(f"int8_matmul: x is (M, {x.shape[1]}) but the kernel has {w.shape[0]} rows.")
     _lib()
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.int32)
-    return jax.ffi.ffi_call(_INT8_TARGET, out)(x, w)
+    return jax.ffi.ffi_call(_INT8_TARGET, out)(x, w, path=_path_attr(simd_path))
 
 
-def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, block: int) -> jax.Array:
+def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, block: int, simd_path: str = "") -> jax.Array:
     """``sum_g float(acc_g) * scale[g]`` ``(M, N)`` float32: the per-block int32 accumulators of
     int8 ``x: (M, K)`` times the int4 kernel packed as :func:`autopolicy.numerics.int4.pack_int4`
     does (``(ceil(K/2), N)`` uint8), each times its block's scales ``scale: (G, N)``, with
-    ``G = ceil(K / block)`` blocks of ``block`` rows (``block = K``: one, per channel).
+    ``G = ceil(K / block)`` blocks of ``block`` rows (``block = K``: one, per channel), on the
+    SIMD path ``simd_path`` (as :func:`int8_matmul`).
 
     Raises:
       ValueError: for operands of other ranks or dtypes, a packed kernel of the wrong height, a
@@ -265,7 +323,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, block: int) -
                          f"{scale.dtype}{list(scale.shape)}")
     _lib()
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(_INT4_TARGET, out)(x, packed, scale, block=int(block))
+    return jax.ffi.ffi_call(_INT4_TARGET, out)(x, packed, scale, block=int(block), path=_path_attr(simd_path))
 
 
 def _dense_operands(what: str, x: jax.Array, n: int, bias: jax.Array | None, out_dtype) -> tuple:
@@ -283,16 +341,16 @@ def _dense_operands(what: str, x: jax.Array, n: int, bias: jax.Array | None, out
 
 
 def int8_dense(x: jax.Array, w: jax.Array, w_scale: jax.Array, bias: jax.Array | None = None,
-               out_dtype=None) -> jax.Array:
+               out_dtype=None, simd_path: str = "") -> jax.Array:
     """The int8 layer in one call: ``x: (M, K)`` (float32 or bfloat16) quantized per row as
     :func:`autopolicy.numerics.int8.quantize_symmetric` does, times the int8 kernel ``w: (K, N)``
     in int32, rescaled ``float(acc) * (x_scale * w_scale)`` with ``w_scale: (N,)`` (or ``(1, N)``)
     float32, rounded to ``out_dtype`` (default: x's), plus ``bias: (N,)`` in ``out_dtype`` if given.
     Equal bit for bit to the package's XLA path (:func:`autopolicy.numerics.int8.int8_dense`
-    followed by ``+ bias``).
+    followed by ``+ bias``). ``simd_path`` as :func:`int8_matmul`.
 
     Raises:
-      ValueError: for operands of other ranks, dtypes or shapes.
+      ValueError: for operands of other ranks, dtypes or shapes, or a path this CPU cannot run.
 
     >>> import numpy as np
     >>> # x = [1, -2] quantizes to [64, -127] (scale 2/127); the kernel's scale 0.5
@@ -309,19 +367,21 @@ def int8_dense(x: jax.Array, w: jax.Array, w_scale: jax.Array, bias: jax.Array |
                          f"{w_scale.dtype}{list(w_scale.shape)}")
     bias, out = _dense_operands("int8_dense", x, n, bias, out_dtype)
     _lib()
-    return jax.ffi.ffi_call(_INT8_DENSE, out)(x, w, w_scale.reshape((n,)), bias)
+    return jax.ffi.ffi_call(_INT8_DENSE, out)(x, w, w_scale.reshape((n,)), bias, path=_path_attr(simd_path))
 
 
 def int4_dense(x: jax.Array, packed: jax.Array, scale: jax.Array, block: int, bias: jax.Array | None = None,
-               out_dtype=None) -> jax.Array:
+               out_dtype=None, simd_path: str = "") -> jax.Array:
     """The int4 layer in one call: ``x: (M, K)`` (float32 or bfloat16) quantized per row, times the
     packed int4 kernel (as :func:`int4_matmul`), ``y = sum_g float(acc_g) * scale[g]`` times x's
     row scale, rounded to ``out_dtype`` (default: x's), plus ``bias: (N,)`` in ``out_dtype`` if
     given. Equal to :func:`autopolicy.numerics.int4.int4_matmul` with ``kernel="cpu_ffi"`` bit for
-    bit (to float32 rounding of the sum over blocks against ``kernel="xla"``).
+    bit (to float32 rounding of the sum over blocks against ``kernel="xla"``). ``simd_path`` as
+    :func:`int8_matmul`.
 
     Raises:
-      ValueError: for operands of other ranks, dtypes or shapes, or a block outside ``[1, K]``.
+      ValueError: for operands of other ranks, dtypes or shapes, a block outside ``[1, K]``, or a
+        path this CPU cannot run.
     """
     if x.ndim != 2 or packed.ndim != 2 or packed.dtype != jnp.uint8:
         raise ValueError(f"int4_dense: x must be (M, K) and the packed kernel (ceil(K/2), N) uint8. Received: "
@@ -338,7 +398,7 @@ def int4_dense(x: jax.Array, packed: jax.Array, scale: jax.Array, block: int, bi
                          f"{scale.dtype}{list(scale.shape)}")
     bias, out = _dense_operands("int4_dense", x, n, bias, out_dtype)
     _lib()
-    return jax.ffi.ffi_call(_INT4_DENSE, out)(x, packed, scale, bias, block=int(block))
+    return jax.ffi.ffi_call(_INT4_DENSE, out)(x, packed, scale, bias, block=int(block), path=_path_attr(simd_path))
 
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, position: jax.Array) -> jax.Array:

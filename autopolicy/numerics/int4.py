@@ -183,15 +183,17 @@ def _column_sums(q: jax.Array, block_size: int) -> jax.Array:
 
 #: The int4 kernels: ``"xla"`` (XLA's int8 dot of the unpacked kernel, the blocks as a batch) and ``"cpu_ffi"`` (autopolicy's CPU kernel, :mod:`autopolicy.numerics.cpu_kernels`:
 #: the nibbles unpacked in registers, the blocks' scales applied inside; equal to ``"xla"`` up
-#: to float32 rounding of the sum over blocks).
-INT4_KERNELS = ("xla", "cpu_ffi")
+#: to float32 rounding of the sum over blocks), on the CPU's best SIMD path, and ``"cpu_ffi_avx2"``,
+#: the same library on its AVX2 path (a tactic of its own where the best path is another).
+INT4_KERNELS = ("xla", "cpu_ffi", "cpu_ffi_avx2")
 
 
 def int4_kernel_available(kernel: str, device: Any) -> bool:
     """Whether the int4 ``kernel`` is worth timing on ``device``."""
     if kernel not in INT4_KERNELS:
         raise ValueError(f"Invalid int4 kernel. Expected one of {INT4_KERNELS}. Received: kernel={kernel!r}")
-    return kernel == "xla" or _int8_accumulate.ffi_available(device)
+    return kernel == "xla" or (_int8_accumulate.ffi_available(device)
+                                and cpu_kernels.kernel_distinct_on(kernel, device.cpu_features))
 
 
 def default_int4_kernel(device: Any = None) -> str:
@@ -225,10 +227,10 @@ int4_matmul = jax.jit(_int4_matmul, static_argnums=(4, 5, 6))
 
 
 def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel="xla"):
-    if kernel == "cpu_ffi":  # on a CPU the kernel's call, elsewhere XLA's path: the same values
+    if kernel in cpu_kernels.FFI_KERNELS:  # on a CPU the kernel's call, elsewhere XLA's path: the same values
         def run(on):
             return lambda *a: _int4_product(*a, block_size, compute_dtype, on)
-        y = cpu_kernels.on_cpu(run("cpu_ffi"), run("xla"), x, packed, scale, colsum)
+        y = cpu_kernels.on_cpu(run(kernel), run("xla"), x, packed, scale, colsum)
         return y, (x, packed, scale, colsum)
     return _int4_product(x, packed, scale, colsum, block_size, compute_dtype, kernel), (x, packed, scale, colsum)
 
@@ -236,17 +238,20 @@ def _int4_matmul_fwd(x, packed, scale, colsum, block_size, compute_dtype, kernel
 def _int4_product(x, packed, scale, colsum, block_size, compute_dtype, kernel):
     rows, k = x.shape
     dtypes = cpu_kernels.DENSE_DTYPES
-    if kernel == "cpu_ffi" and jnp.dtype(x.dtype).name in dtypes and jnp.dtype(compute_dtype).name in dtypes:
+    ffi = kernel in cpu_kernels.FFI_KERNELS
+    if ffi and jnp.dtype(x.dtype).name in dtypes and jnp.dtype(compute_dtype).name in dtypes:
         # One call quantizes x, multiplies and rescales: the values of the unfused path below.
         block = k if block_size == PER_CHANNEL else block_size
-        return cpu_kernels.int4_dense(x, packed, scale.astype(jnp.float32), block, out_dtype=compute_dtype)
+        return cpu_kernels.int4_dense(x, packed, scale.astype(jnp.float32), block, out_dtype=compute_dtype,
+                                      simd_path=cpu_kernels.kernel_path(kernel))
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
     x_scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
     xq = jnp.clip(jnp.round(xf * (1.0 / x_scale)), -INT8_MAX, INT8_MAX)
-    if kernel == "cpu_ffi":
+    if ffi:
         block = k if block_size == PER_CHANNEL else block_size
-        y = cpu_kernels.int4_matmul(xq.astype(jnp.int8), packed, scale.astype(jnp.float32), block)
+        y = cpu_kernels.int4_matmul(xq.astype(jnp.int8), packed, scale.astype(jnp.float32), block,
+                                    cpu_kernels.kernel_path(kernel))
         return (y * x_scale).astype(compute_dtype)
     # The u8 x s8 dot only where it is fast (VNNI/AMX), as int8's default kernel, and on one
     # device: its blocks slice the column sums and the custom dot does not propagate shardings
@@ -348,9 +353,11 @@ def int4_einsum(
     order = [lhs.index(c) for c in free_x + contracted]
     x2 = _sharding.reshape(jnp.transpose(x, order), (-1, k))
     n = math.prod(packed.shape[1:])
-    if kernel == "cpu_ffi" and not cpu_kernels.AVAILABLE:
-        raise ValueError(f"The int4 kernel 'cpu_ffi' is not available here: {cpu_kernels.unavailable_reason()}. "
-                         "Use kernel='xla'.")
+    if kernel in cpu_kernels.FFI_KERNELS:
+        if not cpu_kernels.AVAILABLE:
+            raise ValueError(f"The int4 kernel {kernel!r} is not available here: {cpu_kernels.unavailable_reason()}. "
+                             "Use kernel='xla'.")
+        cpu_kernels.kernel_path(kernel)  # a path this CPU cannot run raises here
     y2 = int4_matmul(x2, packed.reshape((packed.shape[0], n)), scale.reshape((scale.shape[0], n)),
                      colsum.reshape((colsum.shape[0], n)), block_size, compute_dtype, kernel or "xla")
     y = _sharding.reshape(y2, tuple(sizes[c] for c in free_x) + packed.shape[1:])

@@ -150,17 +150,17 @@ def int8_einsum(
 
 def _int8_einsum_fwd(equation, x, kernel_q, kernel_scale, compute_dtype, kernel_colsum=None, kernel=None):
     residuals = (x, kernel_q, kernel_scale, kernel_colsum)
-    if kernel == "cpu_ffi":
+    if kernel in cpu_kernels.FFI_KERNELS:
         # On a CPU the kernel's call (the quantization and rescale inside it: the same values, or
         # around it), elsewhere the device's XLA kernel.
         def xla(x_, kq, ks):
             return _int8_einsum_fwd(equation, x_, kq, ks, compute_dtype, kernel_colsum)[0]
 
         def ffi(x_, kq, ks):
-            y = _int8_accumulate.ffi_dense(equation, x_, kq, ks, compute_dtype)
+            y = _int8_accumulate.ffi_dense(equation, x_, kq, ks, compute_dtype, kernel)
             return _quantized_product(equation, x_, kq, ks, compute_dtype, kernel_colsum, kernel) if y is None else y
 
-        _int8_accumulate._resolve_einsum_kernel("cpu_ffi", equation)  # pylint: disable=protected-access  # raises early
+        _int8_accumulate._resolve_einsum_kernel(kernel, equation)  # pylint: disable=protected-access  # raises early
         return cpu_kernels.on_cpu(ffi, xla, x, kernel_q, kernel_scale), residuals
     return _quantized_product(equation, x, kernel_q, kernel_scale, compute_dtype, kernel_colsum, kernel), residuals
 

@@ -83,8 +83,14 @@ class KernelSpec:
 
     @property
     def runnable(self) -> bool:
-        """Whether this process can run it at all (its library, if it needs one, is loaded)."""
-        return not self.needs_library or cpu_kernels.AVAILABLE
+        """Whether this process can run it at all (its library, if it needs one, is loaded, and
+        runs the SIMD path the kernel names on this CPU)."""
+        if not self.needs_library:
+            return True
+        if not cpu_kernels.AVAILABLE:
+            return False
+        simd_path = cpu_kernels.FFI_KERNELS.get(self.name, "")
+        return not simd_path or simd_path in cpu_kernels.supported_paths()
 
     @property
     def op_names(self) -> tuple[str, ...]:
@@ -137,8 +143,19 @@ INT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
         ops=(("einsum", _bind(int8.einsum_kernel, "cpu_ffi")),),
         available=functools.partial(int8.int8_kernel_available, "cpu_ffi"),
         exact=True,
-        summary="autopolicy's own CPU kernel through the XLA FFI (AVX2 or portable, chosen at run time): "
-                "the weights streamed once, sign-extended pairs through vpmaddwd, on the caller and polling helper threads",
+        summary="autopolicy's own CPU kernel through the XLA FFI on the CPU's best SIMD path (AVX512-VNNI, "
+                "AVX-VNNI, AVX2 or portable, chosen at run time): the weights streamed once at few rows, "
+                "register-blocked GEMMs at many, on the caller and polling helper threads",
+        needs_library=True,
+    ),
+    KernelSpec(
+        mode="int8",
+        name="cpu_ffi_avx2",
+        ops=(("einsum", _bind(int8.einsum_kernel, "cpu_ffi_avx2")),),
+        available=functools.partial(int8.int8_kernel_available, "cpu_ffi_avx2"),
+        exact=True,
+        summary="the same library on its AVX2 path, on CPUs whose best path is another (AVX-512 or "
+                "AVX-VNNI): its byte streams can beat the wider ones at batch 1 (a Zen 4 EPYC's decode step)",
         needs_library=True,
     ),
 )
@@ -160,6 +177,16 @@ INT4_KERNEL_SPECS: tuple[KernelSpec, ...] = (
         exact=False,
         summary="autopolicy's own CPU kernel through the XLA FFI: nibbles unpacked in registers, the "
                 "block scales applied inside; within float32 rounding of the sum over blocks of 'xla'",
+        needs_library=True,
+    ),
+    KernelSpec(
+        mode="int4",
+        name="cpu_ffi_avx2",
+        ops=(("einsum", _bind(int4.einsum_kernel, "cpu_ffi_avx2")),),
+        available=functools.partial(int4.int4_kernel_available, "cpu_ffi_avx2"),
+        exact=False,
+        summary="the same library on its AVX2 path, on CPUs whose best path is another (AVX-512 or "
+                "AVX-VNNI); as 'cpu_ffi', within float32 rounding of 'xla'",
         needs_library=True,
     ),
 )
@@ -265,7 +292,7 @@ def kernel_specs(mode: str) -> tuple[KernelSpec, ...]:
     """The kernels of ``mode``; ``()`` for a mode without a choice of kernels.
 
     >>> [spec.name for spec in kernel_specs("int8")]
-    ['s8s8', 'u8s8', 'cpu_ffi']
+    ['s8s8', 'u8s8', 'cpu_ffi', 'cpu_ffi_avx2']
     >>> [spec.name for spec in kernel_specs("gptq")]
     ['xla', 'cpu_ffi']
     >>> kernel_specs("float16")
@@ -287,7 +314,7 @@ def kernel_spec(mode: str, name: str) -> KernelSpec:
     >>> kernel_spec("int8", "vnni")
     Traceback (most recent call last):
     ...
-    ValueError: Invalid int8 kernel. Expected one of ('s8s8', 'u8s8', 'cpu_ffi'). Received: kernel='vnni'
+    ValueError: Invalid int8 kernel. Expected one of ('s8s8', 'u8s8', 'cpu_ffi', 'cpu_ffi_avx2'). Received: kernel='vnni'
     """
     specs = kernel_specs(mode)
     for spec in specs:

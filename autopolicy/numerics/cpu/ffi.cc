@@ -1,7 +1,8 @@
 // The XLA FFI binding: checks shapes and dtypes (naming the bad one), splits the output columns
 // over as many threads as XLA's intra-op pool has (the package's own polling helpers, helpers.cc,
 // or XLA's pool itself with AUTOPOLICY_CPU_SPIN_US=0; the caller takes its share too; calls too
-// small to pay for a second thread run on the caller alone), and runs the current path's kernel. The dense
+// small to pay for a second thread run on the caller alone), and runs the kernel of the SIMD
+// path the call names in its "path" attribute ("": the one in use; kernels.h's path_named). The dense
 // targets take the float input and return the float output: the row quantization before and
 // the rescale (and bias) after run here too (quantize.cc), not as XLA ops around the call. No
 // state across calls.
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -122,11 +124,10 @@ std::vector<int8_t> slab_of(const int8_t* xp, int64_t m, int64_t k, int64_t k0, 
 }
 
 // acc = xq @ w in int32 for int8 xq (m, k) and w (k, n).
-void int8_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k, const int8_t* wp, int64_t n,
-                  int32_t* out) {
-  const Path& path = current_path();
+void int8_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int64_t m, int64_t k, const int8_t* wp,
+                  int64_t n, int32_t* out) {
   const Runner run_on = runner_for(pool, m * k * n);
-  if (path.int8_gemm != nullptr && m >= gemm_min_rows(false) && k > 0) {
+  if (path.int8_gemm != nullptr && m >= gemm_min_rows(path, false) && k > 0) {
     const GemmX& layout = *path.gemm_x;
     std::vector<int32_t> xq(static_cast<size_t>(layout.words(m, k, k)));
     layout.pack(xp, m, k, k, xq.data());
@@ -161,16 +162,16 @@ void int8_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
 
 // y = sum over blocks of float(xq @ w_block) * scale_block, float32, for int8 xq (m, k) and the
 // packed int4 w (ceil(k / 2), n), scale (ceil(k / block), n).
-void int4_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k, const uint8_t* wp, int64_t n,
-                  int64_t block, const float* sp, float* yp) {
+void int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int64_t m, int64_t k, const uint8_t* wp,
+                  int64_t n, int64_t block, const float* sp, float* yp) {
   const int64_t groups = (k + block - 1) / block;
   // SIMD paths take rows in pairs (2j, 2j + 1): a pair must not straddle a block.
   const bool pairs_ok = groups == 1 || block % 2 == 0;
-  const Path& path = current_path();
   const Runner run_on = runner_for(pool, m * ((k + 1) / 2) * n);
   Int4Fn fn = pairs_ok ? path.int4 : int4_portable;
   // The GEMM takes K rows k_group at a time (AVX2 pairs, VNNI quads): none may straddle a block.
-  if (path.int4_gemm != nullptr && (groups == 1 || block % path.gemm_x->k_group == 0) && m >= gemm_min_rows(true)) {
+  if (path.int4_gemm != nullptr && (groups == 1 || block % path.gemm_x->k_group == 0) &&
+      m >= gemm_min_rows(path, true)) {
     const GemmX& layout = *path.gemm_x;
     std::vector<int32_t> xq(static_cast<size_t>(layout.words(m, k, block)));
     layout.pack(xp, m, k, block, xq.data());
@@ -215,13 +216,24 @@ void int4_product(ffi::ThreadPool& pool, const int8_t* xp, int64_t m, int64_t k,
   parallel_columns(run_on, n, kColumnsPerTask, [=](int64_t n0, int64_t n1) { fn(xp, m, k, wp, n, block, sp, n0, n1, yp); });
 }
 
-ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+// The error of a call naming a path this CPU does not run (or no path at all).
+ffi::Error unknown_path(const char* what, std::string_view name) {
+  std::string valid;
+  for (const char* p : {"portable", "avx2", "avx_vnni", "avx512_vnni"})
+    if (path_supported(p)) valid += std::string(valid.empty() ? "" : ", ") + "'" + p + "'";
+  return bad(std::string(what) + ": path '" + std::string(name) + "' is not one this CPU runs; it runs " + valid +
+             " (or '' for the one in use, '" + current_path().name + "')");
+}
+
+ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, std::string_view path_name,
                     ffi::ResultBuffer<ffi::S32> acc) {
+  const Path* path = path_named(std::string(path_name));
+  if (path == nullptr) return unknown_path("autopolicy int8 matmul", path_name);
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2) return bad("autopolicy int8 matmul: x must be (M, K); its rank is " + std::to_string(xd.size()));
   if (wd.size() != 2 || wd[0] != xd[1])
     return bad("autopolicy int8 matmul: the kernel must be (K, N) with K = " + std::to_string(xd[1]));
-  int8_product(pool, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], acc->typed_data());
+  int8_product(pool, *path, x.typed_data(), xd[0], xd[1], w.typed_data(), wd[1], acc->typed_data());
   return ffi::Error::Success();
 }
 
@@ -241,13 +253,15 @@ ffi::Error check_int4(const char* what, int64_t k, ffi::Span<const int64_t> wd, 
 }
 
 ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
-                    int64_t block, ffi::ResultBuffer<ffi::F32> out) {
+                    int64_t block, std::string_view path_name, ffi::ResultBuffer<ffi::F32> out) {
+  const Path* path = path_named(std::string(path_name));
+  if (path == nullptr) return unknown_path("autopolicy int4 matmul", path_name);
   auto xd = x.dimensions();
   if (xd.size() != 2) return bad("autopolicy int4 matmul: x must be (M, K); its rank is " + std::to_string(xd.size()));
   const int64_t m = xd[0], k = xd[1];
   if (ffi::Error e = check_int4("autopolicy int4 matmul", k, w.dimensions(), scale.dimensions(), block); e.failure())
     return e;
-  int4_product(pool, x.typed_data(), m, k, w.typed_data(), w.dimensions()[1], block, scale.typed_data(),
+  int4_product(pool, *path, x.typed_data(), m, k, w.typed_data(), w.dimensions()[1], block, scale.typed_data(),
                out->typed_data());
   return ffi::Error::Success();
 }
@@ -287,8 +301,10 @@ QuantizedRows quantize(const ffi::AnyBuffer& x) {
 }
 
 ffi::Error Int8DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
-                         ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::AnyBuffer bias, std::string_view path_name, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* what = "autopolicy int8 dense";
+  const Path* path = path_named(std::string(path_name));
+  if (path == nullptr) return unknown_path(what, path_name);
   auto wd = w.dimensions();
   if (x.dimensions().size() != 2 || wd.size() != 2 || wd[0] != x.dimensions()[1])
     return bad(std::string(what) + ": x must be (M, K) and the kernel (K, N); they are " + dims_of(x.dimensions()) +
@@ -303,7 +319,7 @@ ffi::Error Int8DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   // A float32 output holds the int32 sums until the rescale overwrites each in place.
   std::vector<int32_t> scratch(bf16 ? static_cast<size_t>(m * n) : 0);
   int32_t* acc = bf16 ? scratch.data() : static_cast<int32_t*>(out->untyped_data());
-  int8_product(pool, xq.q.data(), m, k, w.typed_data(), n, acc);
+  int8_product(pool, *path, xq.q.data(), m, k, w.typed_data(), n, acc);
   const float* xs = xq.scale.data();
   const float* ws = w_scale.typed_data();
   const void* b = bias.element_count() ? bias.untyped_data() : nullptr;
@@ -314,8 +330,11 @@ ffi::Error Int8DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
 }
 
 ffi::Error Int4DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
-                         ffi::AnyBuffer bias, int64_t block, ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::AnyBuffer bias, int64_t block, std::string_view path_name,
+                         ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* what = "autopolicy int4 dense";
+  const Path* path = path_named(std::string(path_name));
+  if (path == nullptr) return unknown_path(what, path_name);
   if (x.dimensions().size() != 2)
     return bad(std::string(what) + ": x must be (M, K); it is " + dims_of(x.dimensions()));
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = w.dimensions().size() == 2 ? w.dimensions()[1] : 0;
@@ -325,7 +344,7 @@ ffi::Error Int4DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
   std::vector<float> scratch(bf16 ? static_cast<size_t>(m * n) : 0);
   float* y = bf16 ? scratch.data() : static_cast<float*>(out->untyped_data());
-  int4_product(pool, xq.q.data(), m, k, w.typed_data(), n, block, scale.typed_data(), y);
+  int4_product(pool, *path, xq.q.data(), m, k, w.typed_data(), n, block, scale.typed_data(), y);
   const float* xs = xq.scale.data();
   const void* b = bias.element_count() ? bias.untyped_data() : nullptr;
   void* o = out->untyped_data();
@@ -342,6 +361,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt8Matmul, autopolicy_cpu::Int8Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Attr<std::string_view>("path")
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt4Matmul, autopolicy_cpu::Int4Impl,
@@ -351,6 +371,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt4Matmul, autopolicy_cpu::Int4Impl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("block")
+                                  .Attr<std::string_view>("path")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt8Dense, autopolicy_cpu::Int8DenseImpl,
@@ -360,6 +381,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt8Dense, autopolicy_cpu::Int8DenseImpl
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Attr<std::string_view>("path")
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt4Dense, autopolicy_cpu::Int4DenseImpl,
@@ -370,6 +392,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt4Dense, autopolicy_cpu::Int4DenseImpl
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Attr<int64_t>("block")
+                                  .Attr<std::string_view>("path")
                                   .Ret<ffi::AnyBuffer>());
 
 // For ctypes: the path in use, forcing one (tests), and which the CPU supports.
@@ -377,6 +400,8 @@ extern "C" {
 const char* autopolicy_cpu_path() { return autopolicy_cpu::current_path().name; }
 int autopolicy_cpu_set_path(const char* name) { return autopolicy_cpu::set_path(name) ? 1 : 0; }
 int autopolicy_cpu_path_supported(const char* name) { return autopolicy_cpu::path_supported(name) ? 1 : 0; }
+// 2: the int8 and int4 targets take a "path" attribute (a SIMD path by name; "": the one in use).
+int autopolicy_cpu_ffi_version() { return 2; }
 int64_t autopolicy_cpu_gemm_min_rows(int int4) { return autopolicy_cpu::gemm_min_rows(int4 != 0); }
 void autopolicy_cpu_set_gemm_min_rows(int64_t rows) { autopolicy_cpu::set_gemm_min_rows(rows); }
 int64_t autopolicy_cpu_serial_max_bytes() { return autopolicy_cpu::serial_max_bytes(); }

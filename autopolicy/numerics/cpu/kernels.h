@@ -93,6 +93,8 @@ void int4_gemm_avxvnni(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w
 // (dispatch.cc); int64 max: never. set_gemm_min_rows sets one for both products on every path
 // (tests, benchmarks; < 1 restores the paths' own), as AUTOPOLICY_CPU_GEMM_MIN_ROWS does at load.
 int64_t gemm_min_rows(bool int4);
+// The same for `path` (the one a call asked for, which need not be the current path).
+int64_t gemm_min_rows(const Path& path, bool int4);
 void set_gemm_min_rows(int64_t rows);
 
 // bfloat16 (stored as its 16 bits) to and from float32; float_to_bf16 rounds to nearest even
@@ -191,5 +193,8 @@ const Path& current_path();
 bool set_path(const char* name);
 // Whether the CPU supports a path by name.
 bool path_supported(const char* name);
+// The path a call names: the current one for an empty name, else the named one where the CPU
+// supports it; null otherwise (the call fails naming it).
+const Path* path_named(const std::string& name);
 
 }  // namespace autopolicy_cpu
