@@ -3,13 +3,17 @@ uniform int8 (and, with ``--policies``, other uniform policies) decodes against 
 AVX2 path of an AVX-512 machine, beside its own best path.
 
     .venv/bin/python experiments/smollm2_cpu_paths.py [--rounds 4] [--policies int8_from_float32 ...]
+        [--tuned runs/smollm2]
 
 The kernels' path is switched with ``cpu_kernels.set_path`` between timings (compiled programs
 call the same library, so the switch is immediate and the programs are the same). Every round
 times float32 and each policy under each path, the paths in alternating order; a ratio is the
 median over rounds of float32's time over the policy's in the same round, with its quartiles.
-GPTQ/AWQ policies are calibrated as ``report_smollm2.py`` does. Writes nothing; name the CPU
-with the figures (the first line prints it).
+GPTQ/AWQ policies are calibrated as ``report_smollm2.py`` does. With ``--tuned RUN`` (a tune's
+run directory) its map is timed too, on the path the library chose, three ways: each layer with
+the kernel its tune chose (``profile.csv``; ``cpu_ffi_avx2`` names the AVX2 path per call), and
+every layer with ``cpu_ffi`` or ``cpu_ffi_avx2`` where it offers them. Writes nothing; name the
+CPU with the figures (the first line prints it).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import report_smollm2  # noqa: E402
 import smollm2  # noqa: E402
 
+import autopolicy as ap  # noqa: E402
 from autopolicy.numerics import cpu_kernels  # noqa: E402
 from autopolicy.search import hardware  # noqa: E402
 
@@ -32,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4, help="rounds (each: 3 interleaved repeats of 5 steps)")
     parser.add_argument("--policies", nargs="+", default=["int8_from_float32"])
+    parser.add_argument("--tuned", type=pathlib.Path, default=None,
+                        help="a tune run directory: its map timed with its own kernels and with each FFI kernel")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1. Received: {args.rounds}")
@@ -45,6 +52,20 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies:
         built = report_smollm2.calibrated(model.with_dtype_policy(policy), model, batches, cache)
         models[policy] = report_smollm2.with_kernels(built)
+    tuned = []
+    if args.tuned is not None:
+        policies, chosen, _ = report_smollm2.tuned_from_run(args.tuned)
+        built = model.with_dtype_policy(ap.DTypePolicyMap("float32", policies))
+        built = report_smollm2.calibrated(built, model, batches, cache)
+        models["tuned, its kernels"] = report_smollm2.with_kernels(built, chosen)
+        for kernel in cpu_kernels.FFI_KERNELS:
+            offered = {p: kernel for p, layer in built.layers_by_path().items()
+                       if layer.quantization_mode is not None and kernel in layer.kernel_choices()}
+            if offered:
+                models[f"tuned, {kernel} everywhere"] = built.with_kernels(offered)
+        tuned = [name for name in models if name.startswith("tuned")]
+        print(f"tuned map: {len(chosen)} layers with a kernel chosen: "
+              f"{ {k: list(chosen.values()).count(k) for k in sorted(set(chosen.values()))} }", flush=True)
     paths = cpu_kernels.supported_paths()
     print(f"device: {hardware.describe()}; CPU kernel paths: {', '.join(paths)}", flush=True)
     ratios: dict[tuple[str, str], list[float]] = {}
@@ -57,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                 f32.extend(times["float32"].tolist())
                 for policy in args.policies:
                     ratios.setdefault((policy, path), []).extend((times["float32"] / times[policy]).tolist())
+                for name in tuned if path == paths[0] else ():  # each call names its path: the default's rounds
+                    ratios.setdefault((name, "per-call kernels"), []).extend((times["float32"] / times[name]).tolist())
     finally:
         cpu_kernels.set_path(paths[0])
     print(f"float32: {np.median(f32) * 1e3:.2f} ms a step (median over every round)")
