@@ -68,6 +68,22 @@ def test_the_kernel_choice_is_saved_with_the_model(model, tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded(X)), np.asarray(chosen(X)))
 
 
+@pytest.mark.skipif("cpu_ffi_avx2" not in FFI_VNNI, reason="needs the CPU kernels with an AVX2 path")
+def test_a_saved_kernel_this_process_cannot_run_falls_back_to_the_default_with_a_warning(
+        model, tmp_path, monkeypatch, caplog):
+    """Tuned on one machine, loaded on another: a layer whose saved kernel cannot run here (its
+    SIMD path missing, as on a CPU without AVX2) takes the default, the others keep theirs."""
+    chosen = model.quantize("int8").with_kernels({"m/a": "cpu_ffi_avx2", "m/b": "s8s8"})
+    nn.save(chosen, tmp_path / "saved")
+    monkeypatch.setattr(cpu_kernels, "supported_paths", lambda: ("portable",))  # a CPU without AVX2
+    with caplog.at_level("WARNING", logger="autopolicy"):
+        loaded = nn.load(tmp_path / "saved")
+    assert loaded.kernels() == {"m/b": "s8s8"}
+    assert "1 layer(s) were saved with kernels this process cannot run (cpu_ffi_avx2, e.g. 'm/a')" in caplog.text
+    monkeypatch.undo()
+    np.testing.assert_array_equal(np.asarray(loaded(X)), np.asarray(chosen(X)))  # int8 kernels: exact
+
+
 def test_kernel_choices_follow_the_device(model, monkeypatch):
     layer = model.quantize("int8").layers_by_path()["m/a"]
     monkeypatch.setattr(kernels, "current_device", lambda: AVX2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 from typing import Any
 
@@ -199,7 +200,7 @@ def _rebuild(manifest: dict[str, Any], classes: dict[str, type], directory: str)
         model = model.with_dtype_policy(policies.deserialize(manifest["policy_map"]))
         inputs = manifest["build_inputs"]
         model = model.build(jax.random.key(0), *_zeros(inputs["args"]), **_zeros(inputs["kwargs"]))
-        model = model.with_kernels(dict(manifest.get("kernels") or {}))
+        model = model.with_kernels(_runnable_kernels(model, dict(manifest.get("kernels") or {})))
         # Building gives GPTQ/AWQ layers their float kernels, awaiting calibration; the saved ones
         # were calibrated: give them the calibrated form, which the saved arrays then fill.
         return weight_calibration.with_calibrated_placeholders(model, manifest.get("calibrated") or ())
@@ -260,6 +261,25 @@ def _weights(raw: bytes, model: Module, dtypes: dict[str, Any], saved_format: st
                 raise _Damaged(f"{key}: saved {dtype}{arr.shape}, the model has {leaf.dtype}{leaf.shape}")
             values.append(jax.device_put(np.asarray(_migrate(key, arr, saved_format))))
     return values
+
+
+_log = logging.getLogger("autopolicy")
+
+
+def _runnable_kernels(model: Module, kernels: dict) -> dict:
+    """The saved kernel choices this process can run. A model tuned on another machine may name a
+    kernel this one lacks (``cpu_ffi`` where the CPU kernels are not built, ``cpu_ffi_avx2`` on a
+    CPU without AVX2): those layers take their mode's default kernel, with one warning naming
+    them (every int8 kernel gives the same outputs; int4's agree to float32 rounding). Paths the
+    model does not have stay, for ``with_kernels`` to refuse."""
+    layers = model.layers_by_path()
+    dropped = {p: k for p, k in kernels.items()
+               if p in layers and hasattr(layers[p], "kernel_choices") and k not in layers[p].kernel_choices()}
+    if dropped:
+        names = sorted(set(dropped.values()))
+        _log.warning("autopolicy: %d layer(s) were saved with kernels this process cannot run (%s, e.g. %r); "
+                     "they run their mode's default kernel here.", len(dropped), ", ".join(names), next(iter(dropped)))
+    return {p: k for p, k in kernels.items() if p not in dropped}
 
 
 def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = None) -> Module:

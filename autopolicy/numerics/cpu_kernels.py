@@ -56,6 +56,7 @@ DENSE_DTYPES = ("float32", "bfloat16")
 #: 2-core Zen 4 EPYC (AVX-512 VNNI) the AVX2 streams ran a SmolLM2-135M decode step faster than
 #: the VNNI ones, its 576 x 192 layers slower; the search times both per layer and shape.
 FFI_KERNELS = {"cpu_ffi": "", "cpu_ffi_avx2": "avx2"}
+
 _log = logging.getLogger("autopolicy")
 
 
@@ -184,8 +185,8 @@ def kernel_path(kernel: str) -> str:
 
 
 #: The CPU features (:class:`~autopolicy.numerics.device.Device` names) each SIMD path needs.
-_PATH_FEATURES = {"avx512_vnni": ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"},),
-                  "avx_vnni": ({"avx2", "fma", "avx_vnni"},), "avx2": ({"avx2", "fma"},)}
+_PATH_FEATURES = {"avx512_vnni": {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"},
+                  "avx_vnni": {"avx2", "fma", "avx_vnni"}, "avx2": {"avx2", "fma"}}
 
 
 def kernel_distinct_on(kernel: str, cpu_features) -> bool:
@@ -204,7 +205,7 @@ def kernel_distinct_on(kernel: str, cpu_features) -> bool:
     if not name:
         return True
     features = set(cpu_features)
-    runs = [p for p in PATHS if p in _PATH_FEATURES and any(need <= features for need in _PATH_FEATURES[p])]
+    runs = [p for p in PATHS if p in _PATH_FEATURES and _PATH_FEATURES[p] <= features]
     return name in runs and runs[0] != name and name in supported_paths()
 
 
