@@ -22,6 +22,8 @@ from autopolicy import _atomic, _json, policies
 from autopolicy.nn import _config, weight_calibration
 from autopolicy.nn._module import Module
 
+_log = logging.getLogger("autopolicy")
+
 __all__ = ["save", "load", "register_serializable", "DamagedSaveError"]
 
 FORMAT = "autopolicy.nn/2"
@@ -261,9 +263,6 @@ def _weights(raw: bytes, model: Module, dtypes: dict[str, Any], saved_format: st
                 raise _Damaged(f"{key}: saved {dtype}{arr.shape}, the model has {leaf.dtype}{leaf.shape}")
             values.append(jax.device_put(np.asarray(_migrate(key, arr, saved_format))))
     return values
-
-
-_log = logging.getLogger("autopolicy")
 
 
 def _runnable_kernels(model: Module, kernels: dict) -> dict:
