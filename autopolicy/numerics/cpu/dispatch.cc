@@ -102,21 +102,16 @@ bool set_path(const char* name) {
   return true;
 }
 
-int64_t gemm_min_rows(bool int4) {
+int64_t gemm_min_rows(const Path& path, bool int4) {
   if (g_gemm_min_rows < 0) {
     const char* forced = std::getenv("AUTOPOLICY_CPU_GEMM_MIN_ROWS");
     set_gemm_min_rows(forced != nullptr && *forced != '\0' ? std::atoll(forced) : 0);
   }
   if (g_gemm_min_rows > 0) return g_gemm_min_rows;
-  return int4 ? current_path().int4_gemm_rows : current_path().int8_gemm_rows;
-}
-
-int64_t gemm_min_rows(const Path& path, bool int4) {
-  if (&path == &current_path()) return gemm_min_rows(int4);
-  gemm_min_rows(int4);  // reads AUTOPOLICY_CPU_GEMM_MIN_ROWS once
-  if (g_gemm_min_rows > 0) return g_gemm_min_rows;
   return int4 ? path.int4_gemm_rows : path.int8_gemm_rows;
 }
+
+int64_t gemm_min_rows(bool int4) { return gemm_min_rows(current_path(), int4); }
 
 void set_gemm_min_rows(int64_t rows) { g_gemm_min_rows = rows < 1 ? 0 : rows; }
 
@@ -131,6 +126,13 @@ int64_t serial_max_bytes() {
 void set_serial_max_bytes(int64_t bytes) { g_serial_max_bytes = bytes < 0 ? kSerialMaxBytes : bytes; }
 
 bool path_supported(const char* name) { return by_name(name) != nullptr && cpu_has(name); }
+
+std::string supported_path_names() {
+  std::string names;
+  for (const char* name : {"portable", "avx2", "avx_vnni", "avx512_vnni"})
+    if (path_supported(name)) names += std::string(names.empty() ? "'" : ", '") + name + "'";
+  return names;
+}
 
 const Path* path_named(const std::string& name) {
   if (name.empty()) return &current_path();

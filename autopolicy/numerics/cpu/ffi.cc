@@ -2,8 +2,8 @@
 // over as many threads as XLA's intra-op pool has (the package's own polling helpers, helpers.cc,
 // or XLA's pool itself with AUTOPOLICY_CPU_SPIN_US=0; the caller takes its share too; calls too
 // small to pay for a second thread run on the caller alone), and runs the kernel of the SIMD
-// path the call names in its "path" attribute ("": the one in use; kernels.h's path_named). The dense
-// targets take the float input and return the float output: the row quantization before and
+// path the call names in its "path" attribute ("": the one in use; kernels.h's path_named). The
+// dense targets take the float input and return the float output: the row quantization before and
 // the rescale (and bias) after run here too (quantize.cc), not as XLA ops around the call. No
 // state across calls.
 #include <algorithm>
@@ -218,11 +218,8 @@ void int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
 
 // The error of a call naming a path this CPU does not run (or no path at all).
 ffi::Error unknown_path(const char* what, std::string_view name) {
-  std::string valid;
-  for (const char* p : {"portable", "avx2", "avx_vnni", "avx512_vnni"})
-    if (path_supported(p)) valid += std::string(valid.empty() ? "" : ", ") + "'" + p + "'";
-  return bad(std::string(what) + ": path '" + std::string(name) + "' is not one this CPU runs; it runs " + valid +
-             " (or '' for the one in use, '" + current_path().name + "')");
+  return bad(std::string(what) + ": path '" + std::string(name) + "' is not one this CPU runs; it runs " +
+             supported_path_names() + " (or '' for the one in use, '" + current_path().name + "')");
 }
 
 ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, std::string_view path_name,

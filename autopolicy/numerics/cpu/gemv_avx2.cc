@@ -27,10 +27,6 @@
 namespace autopolicy_cpu {
 namespace {
 
-// Whether columns [n0, n1) are whole rows of the n-wide weights: then a pass's rows, and the next
-// pass's, are each one contiguous stretch (fetched ahead in order).
-inline bool whole_rows(int64_t n0, int64_t n1, int64_t n) { return n0 == 0 && n1 == n; }
-
 inline __m256i pair_of(const int8_t* x, int64_t i, int64_t k) {
   const int32_t a = x[i];
   const int32_t b = i + 1 < k ? x[i + 1] : 0;

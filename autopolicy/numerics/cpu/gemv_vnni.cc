@@ -88,10 +88,6 @@ constexpr int kQuads = 4;
 // the layers were no faster than with 8 (experiments/ab_cpu_kernels.py --layers).
 constexpr int kNarrowQuads = 2;
 
-// Whether columns [n0, n1) are whole rows of the n-wide weights: then a pass's rows, and the next
-// pass's, are each one contiguous stretch (fetched ahead in order, as the AVX2 streams do).
-inline bool whole_rows(int64_t n0, int64_t n1, int64_t n) { return n0 == 0 && n1 == n; }
-
 thread_local std::vector<int32_t> t_quads, t_sums;
 
 // R rows of x times columns [n0, n1) (a multiple of 64 wide): 4 * Q K rows a pass (each weight

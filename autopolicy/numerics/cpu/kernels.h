@@ -159,6 +159,11 @@ std::string dims_of(const Dims& d) {
 // the hardware prefetchers.
 constexpr int64_t kNarrowColumns = 2048;
 
+// Whether columns [n0, n1) are whole rows of the n-wide weights: then a streaming pass's rows, and
+// the next pass's, are each one contiguous stretch, which the AVX2 and VNNI streams fetch ahead in
+// order.
+inline bool whole_rows(int64_t n0, int64_t n1, int64_t n) { return n0 == 0 && n1 == n; }
+
 // x[i .. i + 3] as one int32 word, byte j = x[i + j] (bytes past k are zero: the pad rows
 // contribute nothing): one quad of K rows, as vpdpbusd and the AVX2 byte kernel take it.
 inline int32_t quad_of(const int8_t* x, int64_t i, int64_t k) {
@@ -193,6 +198,8 @@ const Path& current_path();
 bool set_path(const char* name);
 // Whether the CPU supports a path by name.
 bool path_supported(const char* name);
+// The paths the CPU supports, the reference first, quoted and comma-separated (for error messages).
+std::string supported_path_names();
 // The path a call names: the current one for an empty name, else the named one where the CPU
 // supports it; null otherwise (the call fails naming it).
 const Path* path_named(const std::string& name);
