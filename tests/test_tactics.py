@@ -1,6 +1,8 @@
 """Kernels as tactics: a layer's choice of kernel (with_kernels), saved with the model, timed per
 kernel by the search at the layer's real shape and run by the tuned model."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,10 +12,11 @@ import autopolicy.nn as nn
 from autopolicy import policies, search
 from autopolicy.numerics import cpu_kernels, kernels
 from autopolicy.numerics.device import Device
-from autopolicy.search import profiling
+from autopolicy.search import profiling, verify
 from autopolicy.search.adapter import get_adapter
 from autopolicy.search.cache import MeasurementCache
-from autopolicy.search.phases import LatencyProfile
+from autopolicy.search.endtoend import EndToEnd, config_key
+from autopolicy.search.phases import Configuration, LatencyProfile, LayerTiming
 from tests.helpers import gaussian
 
 VNNI = Device("cpu", "stand-in Xeon", cpu_features=("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"))
@@ -199,3 +202,91 @@ def test_a_tuned_model_runs_the_kernels_its_profile_names(model, monkeypatch, tm
         if result.policy_map[path].name == "int8_from_float32":
             assert result.model.layers_by_path()[path].kernel_choices()  # quantized
             assert result.model.kernels().get(path) == row["kernel"]
+
+
+def _timing(kernel, tactics):
+    seconds = dict(tactics)[kernel]
+    return LayerTiming(seconds, seconds, seconds, 0.01, 3, 1, True, 1000, kernel=kernel, tactics=tuple(tactics))
+
+
+def _chosen_map(adapter, latency, assignment):
+    return Configuration("map (round 1)", "map", assignment, adapter.complete_map(assignment), 1e-3)
+
+
+def test_kernel_sets_put_each_timed_kernel_on_every_layer_that_timed_it_within_the_limit(model, monkeypatch):
+    monkeypatch.setattr(kernels, "current_device", lambda: VNNI)
+    adapter = get_adapter(model, (X,), [(X,)])
+    int8 = "int8_from_float32"
+    sites = profiling.sites(adapter.layers(), [policies.get(int8)])
+    latency = LatencyProfile(tuple(sites), {
+        "m/a": {int8: _timing("u8s8", (("u8s8", 1.0e-3), ("s8s8", 1.2e-3), ("xla_slow", 9.0e-3)))},
+        "m/b": {int8: _timing("s8s8", (("u8s8", 2.1e-3), ("s8s8", 2.0e-3)))},
+    }, {})
+    choice = profiling.kernel_choice(latency)
+    winner = _chosen_map(adapter, latency, {"m/a": int8, "m/b": int8})
+    # u8s8 on m/b: 1.0 + 2.1 over 1.0 + 2.0; s8s8 on m/a: 1.2 + 2.0 over 3.0; xla_slow: 11/3 > 1.5.
+    assert verify.kernel_sets(latency, winner, choice) == [
+        ("u8s8", {"m/b": "u8s8"}, pytest.approx(3.1 / 3.0)), ("s8s8", {"m/a": "s8s8"}, pytest.approx(3.2 / 3.0))]
+    on_float = _chosen_map(adapter, latency, {"m/a": "float32", "m/b": int8})
+    assert verify.kernel_sets(latency, on_float, choice) == [("u8s8", {"m/b": "u8s8"}, pytest.approx(2.1 / 2.0))]
+    assert verify.kernel_sets(latency, _chosen_map(adapter, latency, {"m/a": "float32", "m/b": "float32"}),
+                              choice) == []
+
+
+class _ScriptedRounds(EndToEnd):
+    """End-to-end rounds whose seconds are given per configuration name (1% seeded noise)."""
+
+    def __init__(self, adapter, models, cache, seconds):
+        super().__init__(adapter, models, cache, "fp", "digest", [(64, 48)])
+        self.seconds = seconds
+        self.rng = np.random.default_rng(0)
+        self.timed_rounds = 0
+
+    def _time(self, configs, rounds):
+        self.timed_rounds += rounds
+        for _ in range(rounds):
+            self.rounds.append({config_key(c): self.seconds[c.name] * (1 + 0.01 * self.rng.standard_normal())
+                                for c in configs})
+
+
+@pytest.mark.parametrize("s8s8_seconds, replaced", [(0.9e-3, True), (1.1e-3, False)])
+def test_a_kernel_set_replaces_the_kernels_timed_alone_only_when_faster_end_to_end(
+        model, monkeypatch, tmp_path, s8s8_seconds, replaced):
+    monkeypatch.setattr(kernels, "current_device", lambda: VNNI)
+    adapter = get_adapter(model, (X,), [(X,)])
+    int8 = "int8_from_float32"
+    sites = profiling.sites(adapter.layers(), [policies.get(int8)])
+    latency = LatencyProfile(tuple(sites), {
+        "m/a": {int8: _timing("u8s8", (("u8s8", 1.0e-3), ("s8s8", 1.1e-3)))},
+        "m/b": {int8: _timing("u8s8", (("u8s8", 1.0e-3), ("s8s8", 1.2e-3)))},
+    }, {})
+    choice = profiling.kernel_choice(latency)
+    adapter.use_kernels(choice)
+    winner = _chosen_map(adapter, latency, {"m/a": int8, "m/b": int8})
+    float32 = Configuration("uniform float32", "uniform", {}, adapter.complete_map({}), 3e-3, uniform="float32")
+    models = {winner.name: adapter.with_policies(winner.policy_map), float32.name: model}
+    ctx = types.SimpleNamespace(adapter=adapter, repeats=4)
+    seconds = {float32.name: 3e-3, winner.name: 1e-3, f"{winner.name} on s8s8": s8s8_seconds}
+    with MeasurementCache(str(tmp_path)) as cache:
+        e2e = _ScriptedRounds(adapter, models, cache, seconds)
+        chosen, log = verify.confirm_kernels(ctx, latency, winner, float32, models, e2e, choice)
+        assert e2e.timed_rounds == 4  # settled after the first step of half the repeats
+        again = _ScriptedRounds(adapter, models, cache, seconds)  # a rerun reads the rounds back
+        assert verify.confirm_kernels(ctx, latency, winner, float32, models, again, choice)[1] == log
+        assert again.timed_rounds == 0
+    assert len(log) == 1
+    assert log[0].startswith(f"kernels: s8s8 on 2 more layer(s) (timed alone 1.150x the seconds) "
+                             f"{'replaces' if replaced else 'does not replace'} the kernels timed fastest alone "
+                             "in map (round 1): ")
+    assert set(models) == {winner.name, float32.name}  # the set's model kept only where it won
+    assert chosen.name == winner.name
+    if replaced:
+        assert chosen.kernels == (("m/a", "s8s8"), ("m/b", "s8s8"))
+        assert models[winner.name].kernels() == {"m/a": "s8s8", "m/b": "s8s8"}
+        assert chosen.speedup == pytest.approx(3.0 / 0.9, rel=0.03) and chosen.rounds == 4
+        assert chosen.measured_latency_s == pytest.approx(0.9e-3, rel=0.03)
+    else:
+        assert chosen is winner
+        assert models[winner.name].kernels() == {"m/a": "u8s8", "m/b": "u8s8"}
+    # The adapter is left with the kernels timed alone.
+    assert adapter.with_policies(winner.policy_map).kernels() == {"m/a": "u8s8", "m/b": "u8s8"}

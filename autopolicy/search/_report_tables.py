@@ -23,9 +23,11 @@ FRONTIER_COLUMNS = ("source", "name", "predicted_accuracy_cost", "predicted_metr
 def profile_frame(latency: LatencyProfile, accuracy: AccuracyProfile, chosen: Configuration) -> pd.DataFrame:
     """One row per layer and candidate policy."""
     rows = []
+    confirmed = dict(chosen.kernels)  # the kernels the end-to-end rounds chose over the profile's
     for site in latency.sites:
         for policy in site.candidates:
             t = latency.timing(site.path, policy.name)
+            runs = chosen.assignment.get(site.path, REFERENCE) == policy.name
             acc = accuracy.get(site.path, policy.name)
             rows.append({
                 "index": site.index,
@@ -35,7 +37,7 @@ def profile_frame(latency: LatencyProfile, accuracy: AccuracyProfile, chosen: Co
                 "chained": site.chained,
                 "policy": policy.name,
                 "compute_dtype": policy.compute_dtype,
-                "kernel": t.kernel,
+                "kernel": confirmed.get(site.path, t.kernel) if runs else t.kernel,
                 "tactics": format_tactics(t.tactics),
                 "collectives": t.collectives,
                 "latency_s": t.latency_s,
@@ -52,7 +54,7 @@ def profile_frame(latency: LatencyProfile, accuracy: AccuracyProfile, chosen: Co
                 "kl": acc.kl if acc else math.nan,
                 "status": (acc.status + (" (proxy)" if acc.proxy else "")) if acc else "not measured",
                 "proxy": acc.proxy if acc else "",
-                "chosen": chosen.assignment.get(site.path, REFERENCE) == policy.name,
+                "chosen": runs,
             })
     return pd.DataFrame(rows)
 
@@ -164,6 +166,8 @@ def summary(result: Any) -> dict[str, Any]:
             "policies": chosen.changed,
             "predicted_accuracy_cost": chosen.predicted_accuracy_cost,
             "nbytes": result.latency.nbytes(chosen.assignment),
+            # Layers whose kernel the end-to-end rounds chose over the one timed fastest alone.
+            "kernels_end_to_end": dict(chosen.kernels),
             **_entry(chosen, budget),
         },
         "float32": _entry(float32, budget),

@@ -20,7 +20,10 @@ __all__ = ["EndToEnd", "config_key"]
 
 
 def config_key(config: Configuration) -> str:
-    """A configuration's identity for timing: its map (equal maps are one model)."""
+    """A configuration's identity for timing: its map (equal maps are one model), and the
+    kernels it runs where they are not the profile's."""
+    if config.kernels:
+        return key(policies.serialize(config.policy_map), [list(k) for k in config.kernels])
     return key(policies.serialize(config.policy_map))
 
 

@@ -274,6 +274,9 @@ class Configuration:
     speedup_low: float | None = None  # its confidence interval
     speedup_high: float | None = None
     rounds: int = 0  # end-to-end rounds it was timed in
+    # (path, kernel) of the layers whose kernel the end-to-end rounds chose over the one timed
+    # fastest alone (verify.confirm_kernels); empty: every layer runs the profile's kernel.
+    kernels: tuple[tuple[str, str], ...] = ()
 
     @property
     def changed(self) -> dict[str, str]:

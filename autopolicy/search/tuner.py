@@ -334,6 +334,11 @@ def tune(
             with phase("end-to-end rounds"):
                 winner, entries, report_only, decisions = verify.choose(ctx, latency, tried, uniform_configs,
                                                                         models, e2e)
+                if supports_kernels(made):  # layers timed alone may mislead: their kernels, end to end
+                    winner, confirmed = verify.confirm_kernels(ctx, latency, winner, uniform_configs[0], models,
+                                                               e2e, kernels)
+                    entries = [winner if e.name == winner.name else e for e in entries]
+                    decisions = [*decisions, *confirmed]
             # The latency model, refitted on every configuration timed, predicts each of them.
             final = latency_model.fit(latency, [(e.assignment, e.measured_latency_s) for e in entries
                                                 if e.measured_latency_s is not None])

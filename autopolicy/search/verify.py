@@ -23,7 +23,7 @@ from autopolicy.search.latency_model import IDENTITY, Calibration
 from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, Problem, Status, failed
 
 __all__ = ["make_problem", "fastest_first", "solve_and_verify", "uniform", "uniforms", "score_uniforms", "decide",
-           "unsettled", "choose", "Models", "over_memory"]
+           "unsettled", "choose", "Models", "over_memory", "kernel_sets", "confirm_kernels", "KERNEL_SETS_WITHIN"]
 
 #: Models built for configurations, by configuration name (what ``eval_fn`` scored).
 Models = dict
@@ -440,3 +440,101 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
     entries = [_timed(e2e, c, timed_uniforms[0]) for c in tried + timed_uniforms]
     winner = next(e for e in entries if e.name == winner.name)
     return winner, entries, report_only, log
+
+
+#: A set of kernels is timed end to end only where the layers' own timings put it within this
+#: factor of the kernels they chose: timed alone, a layer's weights stay in the caches, which
+#: misleads by tens of percent (a decoder at batch 1 streams them), not by more.
+KERNEL_SETS_WITHIN = 1.5
+
+
+def kernel_sets(latency: LatencyProfile, winner: Configuration,
+                choice: Mapping[str, Mapping[str, str]]) -> list[tuple[str, dict[str, str], float]]:
+    """The kernel sets worth timing end to end for ``winner``'s map: for each kernel that its
+    layers' tactics name, that kernel on every layer that timed it (the others keep their own).
+
+    Returns ``(kernel, {path: kernel} of the layers it changes, its layers' summed seconds over
+    those of the kernels chosen)`` for each set that changes a layer and is within
+    :data:`KERNEL_SETS_WITHIN`, fastest first.
+    """
+    timed: dict[str, tuple[str, dict[str, float]]] = {}
+    for path, name in winner.assignment.items():
+        kernel = choice.get(path, {}).get(name)
+        tactics = dict(latency.timing(path, name).tactics) if kernel else {}
+        if kernel in tactics:
+            timed[path] = (kernel, tactics)
+    if not timed:
+        return []
+    chosen = sum(tactics[kernel] for kernel, tactics in timed.values())
+    sets = []
+    for other in sorted({k for _, tactics in timed.values() for k in tactics}):
+        changed = {p: other for p, (kernel, tactics) in timed.items() if other in tactics and kernel != other}
+        if not changed:
+            continue
+        seconds = sum(tactics[changed.get(p, kernel)] for p, (kernel, tactics) in timed.items())
+        if seconds <= KERNEL_SETS_WITHIN * chosen:
+            sets.append((other, changed, seconds / chosen))
+    return sorted(sets, key=lambda s: s[2])
+
+
+def confirm_kernels(ctx: Context, latency: LatencyProfile, winner: Configuration, float32: Configuration,
+                    models: Models, e2e: EndToEnd,
+                    choice: Mapping[str, Mapping[str, str]]) -> tuple[Configuration, list[str]]:
+    """The winner's kernels, confirmed end to end: each set of :func:`kernel_sets` runs the
+    winner's map in paired rounds with it (and float32, for the figures), in steps of half the
+    repeats up to twice the repeats, until every set's speed-up over the winner is clearly on
+    one side of 1. A set faster with confidence replaces the kernels timed fastest alone (the
+    fastest such set); the winner keeps its name and metric (the kernels compute the same
+    quantized product: int8 bit for bit, int4 blocks within float32 rounding) and takes the
+    set's figures.
+
+    ``choice`` is the adapter's kernel choice (``profiling.kernel_choice``); the adapter is
+    left with it. Returns the winner, and one decision line per set timed.
+    """
+    sets = kernel_sets(latency, winner, choice) if not winner.excluded else []
+    if not sets:
+        return winner, []
+    log, variants = [], []
+    for kernel, changed, ratio in sets:
+        variant = winner.with_(name=f"{winner.name} on {kernel}", kernels=tuple(sorted(changed.items())))
+        every = {p: dict(by_policy) for p, by_policy in choice.items()}
+        for path, k in changed.items():
+            every[path][winner.assignment[path]] = k
+        try:
+            ctx.adapter.use_kernels(every)
+            failure = _build(ctx, models, variant)
+        finally:
+            ctx.adapter.use_kernels(choice)
+        if failure:
+            log.append(f"kernels: {variant.name} {failure}")
+        else:
+            variants.append((variant, kernel, len(changed), ratio))
+    configs = [float32, winner] + [v[0] for v in variants]
+
+    def pending() -> list[Configuration]:
+        timed = [c for c in configs if not e2e.failure(c)]
+        if e2e.rounds_together(timed) < MIN_PAIRED_ROUNDS:
+            return timed
+        open_ = [v for v in timed[2:] if e2e.speedup(v, winner).straddles(1.0)]
+        return [float32, winner] + open_ if open_ else []
+
+    if variants:
+        e2e.time_until(configs, 2 * ctx.repeats, max(ctx.repeats // 2, 1), pending, "kernels")
+    best: tuple[Configuration, Speedup] | None = None
+    for variant, kernel, count, ratio in variants:
+        if e2e.failure(variant) or e2e.failure(winner):
+            log.append(f"kernels: {variant.name} not compared ({e2e.failure(variant) or e2e.failure(winner)})")
+            continue
+        speedup = e2e.speedup(variant, winner)
+        verdict = "replaces" if speedup.clears(1.0) else "does not replace"
+        log.append(f"kernels: {kernel} on {count} more layer(s) (timed alone {ratio:.3f}x the seconds) {verdict} "
+                   f"the kernels timed fastest alone in {winner.name}: {speedup}")
+        if speedup.clears(1.0) and (best is None or speedup.median > best[1].median):
+            best = (variant, speedup)
+    for variant, *_ in variants:
+        model = models.pop(variant.name, None)
+        if best is not None and variant is best[0]:
+            models[winner.name] = model
+    if best is None:
+        return winner, log
+    return _timed(e2e, best[0].with_(name=winner.name), float32), log
