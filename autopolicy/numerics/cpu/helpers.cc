@@ -44,6 +44,9 @@ constexpr int64_t kSpinUs = 500;
 
 std::atomic<int64_t> g_spin_us{-2};  // -2: not read yet
 
+// Pauses (a few microseconds in all) a call polls for its helpers before it yields.
+constexpr int kWaitPolls = 256;
+
 inline void relax() {
 #if defined(__x86_64__)
   _mm_pause();
@@ -134,6 +137,16 @@ Helpers* helpers_for(int wanted) {
 }
 
 }  // namespace
+
+void wait_until(const std::atomic<int64_t>& count, int64_t target) {
+  for (int polls = 0; count.load() < target; ++polls) {
+    if (polls < kWaitPolls) {
+      relax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
 
 int64_t spin_us() {
   int64_t v = g_spin_us.load(std::memory_order_relaxed);
