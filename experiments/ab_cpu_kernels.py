@@ -129,7 +129,7 @@ def compare_weight_only(k: int, n: int, m: int, rounds: int, seed: int = 0) -> s
 
         def old(x_, q_, s_, z_, g_, bits=bits, group=group):
             return jax.ffi.ffi_call("ab_old_weight_only", jax.ShapeDtypeStruct((m, n), jnp.float32))(
-                x_, q_, s_, z_, g_, bits=np.int64(bits), group=np.int64(group))
+                x_, q_, s_, z_, g_, bits=np.int64(bits), group=np.int64(group), **_OLD_WEIGHT_ONLY_ATTRS)
 
         def new(x_, q_, s_, z_, g_, bits=bits, group=group):
             return cpu_weight_only.weight_only_matmul(x_, q_, s_, z_, bits, group, g_)
@@ -183,7 +183,7 @@ def compare_weight_only_layers(k: int, n: int, m: int, rounds: int, chain: int, 
 
         def old(x_, q_, s_, z_, g_, bits=bits, group=group):
             return jax.ffi.ffi_call("ab_old_weight_only", jax.ShapeDtypeStruct((m, n), jnp.float32))(
-                x_, q_, s_, z_, g_, bits=np.int64(bits), group=np.int64(group))
+                x_, q_, s_, z_, g_, bits=np.int64(bits), group=np.int64(group), **_OLD_WEIGHT_ONLY_ATTRS)
 
         def new(x_, q_, s_, z_, g_, bits=bits, group=group):
             return cpu_weight_only.weight_only_matmul(x_, q_, s_, z_, bits, group, g_)
@@ -222,6 +222,8 @@ _OLD_FUSED = False
 # The attributes every int8/int4 call of the other build takes beyond its operands' (builds from
 # autopolicy_cpu_ffi_version 2 name a SIMD path; "" is the one in use).
 _OLD_ATTRS: dict = {}
+# The same for its weight-only calls (from autopolicy_cpu_ffi_version 3).
+_OLD_WEIGHT_ONLY_ATTRS: dict = {}
 
 
 def _old_int8_layer(x, w, w_scale):
@@ -300,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     jax.ffi.register_ffi_target("ab_old_int8", jax.ffi.pycapsule(lib.AutopolicyInt8Matmul), platform="cpu")
     jax.ffi.register_ffi_target("ab_old_int4", jax.ffi.pycapsule(lib.AutopolicyInt4Matmul), platform="cpu")
-    global _OLD_FUSED, _OLD_ATTRS
-    _OLD_ATTRS = {"path": ""} if hasattr(lib, "autopolicy_cpu_ffi_version") else {}
+    global _OLD_FUSED, _OLD_ATTRS, _OLD_WEIGHT_ONLY_ATTRS
+    version = lib.autopolicy_cpu_ffi_version() if hasattr(lib, "autopolicy_cpu_ffi_version") else 1
+    _OLD_ATTRS = {"path": ""} if version >= 2 else {}
+    _OLD_WEIGHT_ONLY_ATTRS = {"path": ""} if version >= 3 else {}
     _OLD_FUSED = hasattr(lib, "AutopolicyInt8Dense") and hasattr(lib, "AutopolicyInt4Dense")
     if _OLD_FUSED:
         jax.ffi.register_ffi_target("ab_old_int8_dense", jax.ffi.pycapsule(lib.AutopolicyInt8Dense), platform="cpu")

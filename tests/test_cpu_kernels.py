@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from autopolicy.numerics import cpu_kernels, cpu_weight_only, int4, int8, kernels
-from autopolicy.numerics.device import Device
+from autopolicy.numerics.device import Device, current_device
 from helpers import on_cpu_backend, on_the_cpu  # noqa: F401  (a fixture)
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason=f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
@@ -633,6 +633,8 @@ def test_the_device_command_names_the_cpu_and_kernels(capsys):
         assert out.pop(4) == f"weight-only (GPTQ/AWQ) kernel: {cpu_weight_only.variant()} variant"
     assert out[5].startswith("int4 kernels timed by the search here: xla") and "(default without a measurement: xla)" in out[5]
     ffi = ", cpu_ffi" if cpu_weight_only.AVAILABLE and jax.device_count() == 1 else ""
+    if ffi and cpu_kernels.kernel_distinct_on("cpu_ffi_avx2", current_device().cpu_features):
+        ffi += ", cpu_ffi_avx2"  # a CPU whose best path is an AVX-512 one
     assert out[7] == f"gptq kernels timed by the search here: xla{ffi} (default without a measurement: xla)"
     assert out[-1].startswith(f"jax {jax.__version__}, jaxlib ")
 

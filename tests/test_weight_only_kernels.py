@@ -219,7 +219,7 @@ def test_a_calibrated_dense_offers_and_runs_the_kernel():
     model = nn.Sequential([nn.Dense(40, name="proj")], name="m").build(jax.random.key(0), x)
     model = nn.calibrate_weights(model.quantize("gptq/4/32"), [x])
     layer = model.layers_by_path()["m/proj"]
-    assert layer.kernel_choices() == ("xla", "cpu_ffi")
+    assert layer.kernel_choices() == ("xla", "cpu_ffi") + (("cpu_ffi_avx2",) if "avx2" in PATHS else ())
     fast = model.with_kernels({"m/proj": "cpu_ffi"})
     assert fast.layers_by_path()["m/proj"].quantization_kernel == "cpu_ffi"
     x1 = x[:1]
@@ -236,8 +236,8 @@ def test_other_einsums_and_kernel_names_are_handled():
         got = weight_only.einsum_kernel("km,kn->mn", x.T, weights, (8, -1), jnp.float32, kernel="cpu_ffi")
         ref = weight_only.einsum_kernel("km,kn->mn", x.T, weights, (8, -1), jnp.float32, kernel="xla")
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-    with pytest.raises(ValueError, match=r"Invalid GPTQ/AWQ kernel\. Expected one of \('xla', 'cpu_ffi'\)\. "
-                                         r"Received: kernel='s8s8'"):
+    with pytest.raises(ValueError, match=r"Invalid GPTQ/AWQ kernel\. Expected one of \('xla', 'cpu_ffi', "
+                                         r"'cpu_ffi_avx2'\)\. Received: kernel='s8s8'"):
         weight_only.einsum_kernel("mk,kn->mn", x, weights, (8, -1), jnp.float32, kernel="s8s8")
 
 
@@ -262,13 +262,42 @@ def test_bad_operands_are_named():
 
 def test_the_kernel_is_a_candidate_only_on_cpus_where_built():
     gpu, cpu = Device("gpu", compute_capability="9.0"), Device("cpu", cpu_features=("avx2", "fma"))
+    vnni = Device("cpu", cpu_features=("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"))
+    built = cpu_weight_only.AVAILABLE and jax.device_count() == 1
     for mode in ("gptq", "awq"):
         assert kernels.candidate_kernels(mode, "einsum", gpu) == ("xla",)
-        expected = ("xla", "cpu_ffi") if cpu_weight_only.AVAILABLE and jax.device_count() == 1 else ("xla",)
-        assert kernels.candidate_kernels(mode, "einsum", cpu) == expected
+        expected = ("xla", "cpu_ffi") if built else ("xla",)
+        assert kernels.candidate_kernels(mode, "einsum", cpu) == expected  # AVX2 is that CPU's best path
+        # Where the best path is an AVX-512 one, its AVX2 path is a tactic of its own.
+        avx2 = ("cpu_ffi_avx2",) if built and "avx2" in PATHS else ()
+        assert kernels.candidate_kernels(mode, "einsum", vnni) == expected + avx2
         assert kernels.default_kernel(mode, "einsum", cpu) == "xla"  # chosen only by a measurement
-    with pytest.raises(ValueError, match=r"Invalid GPTQ/AWQ kernel\. Expected one of \('xla', 'cpu_ffi'\)"):
+    with pytest.raises(ValueError, match=r"Invalid GPTQ/AWQ kernel\. Expected one of \('xla', 'cpu_ffi', 'cpu_ffi_avx2'\)"):
         cpu_weight_only.kernel_available("avx2", cpu)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, -1)])
+def test_a_call_runs_the_path_it_names_whatever_the_path_in_use(bits, group_size, path_restored):
+    weights, q, zero, scale = _weights(40, 300, bits, group_size, seed=71, awq=True)
+    x = _inputs(3, 300, seed=72)
+    layout = (bits, group_size)
+    by_path = {}
+    for path in PATHS:  # each path, process-wide
+        cpu_kernels.set_path(path)
+        by_path[path] = np.asarray(_run(x, weights, layout, "cpu_ffi"))
+    cpu_kernels.set_path("portable")
+    for path in PATHS:  # each path named by the call, the portable one in use: bit for bit
+        group = 300 if group_size == -1 else group_size
+        got = cpu_weight_only.weight_only_matmul(x / weights["awq_scales"], weights["kernel"], weights["kernel_scale"],
+                                                 weights["kernel_zero"], bits, group, weights["g_idx"], simd_path=path)
+        np.testing.assert_array_equal(np.asarray(got), by_path[path])
+    if "avx2" in PATHS:  # the kernel name reaches the call: cpu_ffi_avx2 runs AVX2 whatever the path in use
+        np.testing.assert_array_equal(np.asarray(_run(x, weights, layout, "cpu_ffi_avx2")), by_path["avx2"])
+    with pytest.raises(ValueError, match=r"Invalid CPU kernel path\. Expected '' \(the one in use\) or one of "
+                                         r"\(.*'portable'\) \(on this CPU\)\. Received: 'sse2'"):
+        cpu_weight_only.weight_only_matmul(x, weights["kernel"], weights["kernel_scale"], weights["kernel_zero"], bits,
+                                           300 if group_size == -1 else group_size, simd_path="sse2")
 
 
 @pytest.mark.slow

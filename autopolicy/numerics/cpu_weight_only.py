@@ -42,9 +42,10 @@ from autopolicy.numerics.device import Device
 __all__ = ["AVAILABLE", "WEIGHT_ONLY_KERNELS", "unavailable_reason", "variant", "kernel_available",
            "weight_only_matmul", "einsum_kernel"]
 
-#: The kernels of the GPTQ and AWQ modes: ``"xla"`` (dequantize, then XLA's float product) and
-#: ``"cpu_ffi"`` (this module).
-WEIGHT_ONLY_KERNELS = ("xla", "cpu_ffi")
+#: The kernels of the GPTQ and AWQ modes: ``"xla"`` (dequantize, then XLA's float product),
+#: ``"cpu_ffi"`` (this module, on the path in use) and ``"cpu_ffi_avx2"`` (this module on the AVX2
+#: path: :data:`autopolicy.numerics.cpu_kernels.FFI_KERNELS`).
+WEIGHT_ONLY_KERNELS = ("xla", "cpu_ffi", "cpu_ffi_avx2")
 _TARGET = "autopolicy_weight_only_matmul"
 _SYMBOL = "AutopolicyWeightOnlyMatmul"
 
@@ -88,9 +89,13 @@ def kernel_available(kernel: str, device: Device) -> bool:
     True
     >>> kernel_available("cpu_ffi", Device("gpu", compute_capability="9.0"))
     False
+
+    ``"cpu_ffi_avx2"`` only where the CPU's best path is another (see
+    :func:`autopolicy.numerics.cpu_kernels.kernel_distinct_on`).
     """
     _check_kernel(kernel)
-    return kernel == "xla" or (AVAILABLE and _int8_accumulate.ffi_available(device))
+    return kernel == "xla" or (AVAILABLE and _int8_accumulate.ffi_available(device)
+                               and cpu_kernels.kernel_distinct_on(kernel, device.cpu_features))
 
 
 def _check_kernel(kernel: Any) -> None:
@@ -99,7 +104,7 @@ def _check_kernel(kernel: Any) -> None:
 
 
 def weight_only_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
-                       group: int, g_idx: jax.Array | None = None) -> jax.Array:
+                       group: int, g_idx: jax.Array | None = None, simd_path: str = "") -> jax.Array:
     """``x @ W^T`` ``(M, N)`` float32 for float32 ``x`` ``(M, K)`` and the weights
     ``W[n, k] = scale[n, g] * (q[n, k] - zero[n, g])``, ``g = g_idx[k]`` (by default ``k // group``).
 
@@ -113,10 +118,12 @@ def weight_only_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.A
       group: Inputs per group, in ``[1, K]`` (``K``: one group, per channel).
       g_idx: float32 ``(K,)``, each input's group (whole numbers in ``[0, G)``; checked by the
         kernel, which fails naming the first bad entry); None: ``k // group``.
+      simd_path: The SIMD path to run: ``""``, the one in use, or one of
+        :func:`autopolicy.numerics.cpu_kernels.supported_paths`.
 
     Raises:
-      ValueError: naming the operand of the wrong rank, dtype or shape, or a bad ``bits`` or
-        ``group``.
+      ValueError: naming the operand of the wrong rank, dtype or shape, a bad ``bits`` or
+        ``group``, or a path this CPU cannot run.
       RuntimeError: when the kernel is not available (see :func:`unavailable_reason`).
     """
     if bits not in (4, 8):
@@ -139,8 +146,10 @@ def weight_only_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.A
     reason = _register()
     if reason is not None:
         raise RuntimeError(f"autopolicy's weight-only CPU kernel is not available: {reason}.")
+    path = cpu_kernels._path_attr(simd_path)  # pylint: disable=protected-access
     out = jax.ShapeDtypeStruct((m, n), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out)(x, q, scale, zero, g_idx, bits=np.int64(bits), group=np.int64(group))
+    return jax.ffi.ffi_call(_TARGET, out)(x, q, scale, zero, g_idx, bits=np.int64(bits), group=np.int64(group),
+                                          path=path)
 
 
 def _plan(equation: str) -> bool:
@@ -163,8 +172,8 @@ def _sharded(tree: Any) -> bool:
     return any(any(e is not None for e in _sharding.spec_of(leaf)) for leaf in jax.tree_util.tree_leaves(tree))
 
 
-def _ffi_product(x2: jax.Array, weights: dict, layout: tuple) -> jax.Array:
-    """The FFI product of rows ``x2`` ``(M, K)``, float32 ``(M, N)``."""
+def _ffi_product(x2: jax.Array, weights: dict, layout: tuple, simd_path: str) -> jax.Array:
+    """The FFI product of rows ``x2`` ``(M, K)``, float32 ``(M, N)``, on ``simd_path``."""
     bits, group_size = layout
     k = x2.shape[1]
     xf = x2.astype(jnp.float32)
@@ -173,24 +182,25 @@ def _ffi_product(x2: jax.Array, weights: dict, layout: tuple) -> jax.Array:
     group = k if group_size == weight_only.PER_CHANNEL else min(group_size, k)
     return weight_only_matmul(xf, weights["kernel"], weights["kernel_scale"].astype(jnp.float32),
                               weights["kernel_zero"], 4 if bits == 4 else 8, group,
-                              weights["g_idx"].astype(jnp.float32))
+                              weights["g_idx"].astype(jnp.float32), simd_path)
 
 
 def _xla_product(x2: jax.Array, weights: dict, layout: tuple, compute_dtype: Any) -> jax.Array:
     return jnp.matmul(x2, weight_only.dequantize(weights, layout, compute_dtype)).astype(compute_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _product(x2: jax.Array, weights: dict, layout: tuple, compute_dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _product(x2: jax.Array, weights: dict, layout: tuple, compute_dtype: Any, simd_path: str) -> jax.Array:
     """The FFI product in the compute dtype (the gradient: the XLA path's)."""
-    return _ffi_product(x2, weights, layout).astype(compute_dtype)
+    return _ffi_product(x2, weights, layout, simd_path).astype(compute_dtype)
 
 
-def _product_fwd(x2, weights, layout, compute_dtype):
-    return _product(x2, weights, layout, compute_dtype), (x2, weights)
+def _product_fwd(x2, weights, layout, compute_dtype, simd_path):
+    return _product(x2, weights, layout, compute_dtype, simd_path), (x2, weights)
 
 
-def _product_bwd(layout, compute_dtype, residuals, g):
+def _product_bwd(layout, compute_dtype, simd_path, residuals, g):
+    del simd_path  # every path gives the same values (to float32 rounding): one gradient
     x2, weights = residuals
     _, vjp = jax.vjp(lambda x_: _xla_product(x_, weights, layout, compute_dtype), x2)
     (dx,) = vjp(g)
@@ -209,19 +219,22 @@ _product.defvjp(_product_fwd, _product_bwd)
 
 def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, compute_dtype: Any,
                   kernel: str | None = "cpu_ffi") -> jax.Array:
-    """The GPTQ/AWQ einsum op on the FFI kernel (the XLA path where it does not apply: see the
-    module docstring).
+    """The GPTQ/AWQ einsum op on the FFI kernel ``kernel`` (``"cpu_ffi"`` or ``"cpu_ffi_avx2"``;
+    the XLA path where it does not apply: see the module docstring).
 
     Raises:
-      ValueError: for a kernel other than ``"cpu_ffi"`` (the XLA op is
-        :func:`autopolicy.numerics.weight_only.einsum_kernel`), or when the library is missing.
+      ValueError: for a kernel that is not an FFI kernel (the XLA op is
+        :func:`autopolicy.numerics.weight_only.einsum_kernel`), when the library is missing, or for
+        a path this CPU cannot run.
       autopolicy.numerics.weight_only.UncalibratedError: if the weights were never calibrated.
     """
-    if kernel != "cpu_ffi":
-        raise ValueError(f"cpu_weight_only.einsum_kernel runs kernel 'cpu_ffi' only. Received: kernel={kernel!r}")
+    if kernel not in cpu_kernels.FFI_KERNELS:
+        raise ValueError(f"cpu_weight_only.einsum_kernel runs the FFI kernels {tuple(cpu_kernels.FFI_KERNELS)} "
+                         f"only. Received: kernel={kernel!r}")
     if not AVAILABLE:
-        raise ValueError(f"The GPTQ/AWQ kernel 'cpu_ffi' is not available here: {unavailable_reason()}. "
+        raise ValueError(f"The GPTQ/AWQ kernel {kernel!r} is not available here: {unavailable_reason()}. "
                          "Use kernel='xla'.")
+    simd_path = cpu_kernels.kernel_path(kernel)
     if not weight_only.is_calibrated(weights):
         return weight_only.einsum_kernel(equation, x, weights, layout, compute_dtype)  # raises, naming why
     eq = equation.replace(" ", "")
@@ -229,5 +242,5 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
         return weight_only.einsum_kernel(eq, x, weights, layout, compute_dtype)
     weights = {name: value for name, value in weights.items() if value is not None}
     x2 = x.reshape((-1, x.shape[-1]))
-    y2 = _product(x2, weights, tuple(layout), jnp.dtype(compute_dtype))
+    y2 = _product(x2, weights, tuple(layout), jnp.dtype(compute_dtype), simd_path)
     return y2.reshape(x.shape[:-1] + (y2.shape[-1],))

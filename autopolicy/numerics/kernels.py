@@ -13,7 +13,8 @@ the layer's real shape on the target (like TensorRT's tactics); without a measur
   scales) on GPUs of compute capability 8.9 or higher; ``"emulated"`` (quantize-dequantize, then
   a product in the compute dtype) elsewhere.
 - gptq, awq: ``"xla"`` (dequantize, then a float product); ``"cpu_ffi"``, autopolicy's CPU
-  kernel (:mod:`autopolicy.numerics.cpu_weight_only`), only where a measurement chose it.
+  kernel (:mod:`autopolicy.numerics.cpu_weight_only`), or ``"cpu_ffi_avx2"``, the same on its
+  AVX2 path, only where a measurement chose it.
 
 Products of 16-bit float policies (``bfloat16``, ``float16``, ``mixed_*``) are listed under the
 pseudo-mode ``"float"`` (:mod:`autopolicy.numerics.float_dot`): ``"xla"``, XLA's dot in the compute
@@ -212,6 +213,17 @@ def _weight_only_specs(mode: str) -> tuple[KernelSpec, ...]:
                     "rounding of 'xla' (which it falls back to for act-order g_idx and sharded operands)",
             needs_library=True,
         ),
+        KernelSpec(
+            mode=mode,
+            name="cpu_ffi_avx2",
+            ops=(("einsum", _bind(weight_only.einsum_kernel, "cpu_ffi_avx2")),),
+            available=functools.partial(cpu_weight_only.kernel_available, "cpu_ffi_avx2"),
+            exact=False,
+            summary="'cpu_ffi' on its AVX2 path, where the CPU's best path is an AVX-512 one (on a Zen 4, "
+                    "whose AVX-512 runs as two 256-bit halves, it decoded SmolLM2 under gptq/8 1.6x faster); "
+                    "as 'cpu_ffi', within float32 rounding of 'xla'",
+            needs_library=True,
+        ),
     )
 
 
@@ -294,7 +306,7 @@ def kernel_specs(mode: str) -> tuple[KernelSpec, ...]:
     >>> [spec.name for spec in kernel_specs("int8")]
     ['s8s8', 'u8s8', 'cpu_ffi', 'cpu_ffi_avx2']
     >>> [spec.name for spec in kernel_specs("gptq")]
-    ['xla', 'cpu_ffi']
+    ['xla', 'cpu_ffi', 'cpu_ffi_avx2']
     >>> kernel_specs("float16")
     ()
     """

@@ -220,13 +220,13 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
                   kernel: str | None = None) -> jax.Array:
     """The modes' einsum op; ``kernel`` names the kernel: ``"xla"`` (or None), the dequantized
     kernel in the compute dtype, then a float product; ``"cpu_ffi"``, autopolicy's CPU kernel
-    (:mod:`autopolicy.numerics.cpu_weight_only`).
+    (:mod:`autopolicy.numerics.cpu_weight_only`), ``"cpu_ffi_avx2"`` the same on its AVX2 path.
 
     Raises:
       UncalibratedError: if the weights were never calibrated.
       ValueError: for an unknown kernel.
     """
-    if kernel == "cpu_ffi":
+    if kernel in ("cpu_ffi", "cpu_ffi_avx2"):  # cpu_kernels.FFI_KERNELS
         from autopolicy.numerics import cpu_kernels, cpu_weight_only  # they build on this module
 
         if cpu_weight_only.AVAILABLE and is_calibrated(weights):  # else it raises, naming why
@@ -236,7 +236,8 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
                 lambda x_, w_: einsum_kernel(equation, x_, w_, layout, compute_dtype), x, weights)
         return cpu_weight_only.einsum_kernel(equation, x, weights, layout, compute_dtype, kernel)
     if kernel not in (None, "xla"):
-        raise ValueError(f"Invalid GPTQ/AWQ kernel. Expected one of ('xla', 'cpu_ffi'). Received: kernel={kernel!r}")
+        raise ValueError("Invalid GPTQ/AWQ kernel. Expected one of ('xla', 'cpu_ffi', 'cpu_ffi_avx2'). "
+                         f"Received: kernel={kernel!r}")
     if not is_calibrated(weights):
         raise UncalibratedError("A GPTQ/AWQ layer runs only once calibrated: call "
                                 "autopolicy.nn.calibrate_weights(model, batches) first.")

@@ -410,7 +410,8 @@ const char* autopolicy_cpu_path() { return autopolicy_cpu::current_path().name; 
 int autopolicy_cpu_set_path(const char* name) { return autopolicy_cpu::set_path(name) ? 1 : 0; }
 int autopolicy_cpu_path_supported(const char* name) { return autopolicy_cpu::path_supported(name) ? 1 : 0; }
 // 2: the int8 and int4 targets take a "path" attribute (a SIMD path by name; "": the one in use).
-int autopolicy_cpu_ffi_version() { return 2; }
+// 3: the weight-only target takes it too.
+int autopolicy_cpu_ffi_version() { return 3; }
 int64_t autopolicy_cpu_gemm_min_rows(int int4) { return autopolicy_cpu::gemm_min_rows(int4 != 0); }
 void autopolicy_cpu_set_gemm_min_rows(int64_t rows) { autopolicy_cpu::set_gemm_min_rows(rows); }
 int64_t autopolicy_cpu_serial_max_bytes() { return autopolicy_cpu::serial_max_bytes(); }

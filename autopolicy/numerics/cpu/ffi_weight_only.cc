@@ -1,14 +1,16 @@
 // The XLA FFI binding of the weight-only product (weight_only.h): checks shapes (naming the bad
-// operand) and g_idx, sums x over each group once, and runs the current path's kernel over the
-// output rows (weight_only_any_groups where g_idx is not k / group: GPTQ's act-order), split
-// over as many threads as XLA's intra-op pool has (the package's polling helpers, helpers.cc, or
-// XLA's pool with AUTOPOLICY_CPU_SPIN_US=0) when the weights are large enough to repay the
-// hand-off (smaller products stay on the calling thread). No state across calls.
+// operand) and g_idx, sums x over each group once, and runs the kernel of the SIMD path the call
+// names (its "path" attribute; "": the one in use) over the output rows (weight_only_any_groups
+// where g_idx is not k / group: GPTQ's act-order), split over as many threads as XLA's intra-op
+// pool has (the package's polling helpers, helpers.cc, or XLA's pool with
+// AUTOPOLICY_CPU_SPIN_US=0) when the weights are large enough to repay the hand-off (smaller
+// products stay on the calling thread). No state across calls.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -45,7 +47,7 @@ void share_parts(ffi::ThreadPool& pool, int64_t parts, int64_t threads, Part par
   if (!offer_to_helpers(threads - 1, std::make_shared<const std::function<void()>>(worker)))
     for (int64_t t = 1; t < threads; ++t) pool.Schedule([worker]() { worker(); });
   worker();
-  while (progress->finished.load() < parts) std::this_thread::yield();
+  wait_until(progress->finished, parts);
 }
 
 ffi::Error invalid(const std::string& what) {
@@ -56,7 +58,14 @@ std::string dims(int64_t a, int64_t b) { return "(" + std::to_string(a) + ", " +
 
 ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U8> zero, ffi::Buffer<ffi::F32> g_idx,
-                          int64_t bits, int64_t group, ffi::ResultBuffer<ffi::F32> out) {
+                          int64_t bits, int64_t group, std::string_view path_name, ffi::ResultBuffer<ffi::F32> out) {
+  // The SIMD path the call names ("": the one in use): on a Zen 4, whose AVX-512 runs as two
+  // 256-bit halves, the AVX2 kernel ran a SmolLM2-135M gptq/8 decode step at 2.99-3.11x float32,
+  // the AVX-512 one at 1.91-1.95x (experiments/smollm2_cpu_paths.py), so both are tactics.
+  const Path* path = path_named(std::string(path_name));
+  if (path == nullptr)
+    return invalid("path '" + std::string(path_name) + "' is not one this CPU runs; it runs " +
+                   supported_path_names() + " (or '' for the one in use, '" + current_path().name + "')");
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), zd = zero.dimensions();
   auto gd = g_idx.dimensions();
   if (xd.size() != 2) return invalid("x must be (M, K); its rank is " + std::to_string(xd.size()));
@@ -115,7 +124,7 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const WeightOnlyArgs args{xp, m, k, q.typed_data(), n, bits, group, scale.typed_data(), zero.typed_data(),
                             xsum.data(), out->typed_data()};
   const int32_t* groups_of = group_of.data();
-  const WeightOnlyFn fast = weight_only_kernel();
+  const WeightOnlyFn fast = path->weight_only;
   auto kernel = [consecutive, fast, groups_of](const WeightOnlyArgs& a, int64_t n0, int64_t n1) {
     if (consecutive) {
       fast(a, n0, n1);
@@ -155,6 +164,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyWeightOnlyMatmul, autopolicy_cpu::Weight
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group")
+                                  .Attr<std::string_view>("path")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // For ctypes: the variant of the weight-only kernel the current path runs.

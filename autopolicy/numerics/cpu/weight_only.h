@@ -11,9 +11,10 @@
 // So the inner loops are only value -> float conversions and multiply-adds; the zero points
 // cost one term per group. Rows are streamed front to back, each its K contiguous bytes.
 //
-// The instruction-set variants sit side by side behind weight_only_kernel(), which follows the
-// path of the package's other kernels (dispatch.cc: the CPU's features, AUTOPOLICY_CPU_PATH,
-// set_path); the portable variant is the reference. No state across calls.
+// The instruction-set variants sit side by side in the paths' table (kernels.h: Path::weight_only;
+// a call may name its path), and weight_only_kernel() is the current path's (dispatch.cc: the
+// CPU's features, AUTOPOLICY_CPU_PATH, set_path); the portable variant is the reference. No
+// state across calls.
 #pragma once
 
 #include <cstdint>
