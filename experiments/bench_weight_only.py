@@ -12,6 +12,10 @@ fresh random order, medians; ratios paired within rounds, with their quartiles):
 - ``gptq/4/32 ffi``, ``gptq/4/128 ffi``: the same op and weights on kernel ``cpu_ffi``
   (:mod:`autopolicy.numerics.cpu_weight_only`; the weights passed as arguments, so the
   on-device check of ``g_idx`` is timed too);
+- ``gptq/8/-1 xla``, ``gptq/8/-1 ffi``: 8 bits per channel (SmolLM2's usual choice under a 2%
+  perplexity budget), the same way;
+- ``... ffi avx2``: kernel ``cpu_ffi_avx2`` (the same library on its AVX2 path), where the CPU's
+  best path is another (``cpu_kernels.kernel_distinct_on``);
 - ``int4/32 ffi``: the symmetric int4 kernel (``int4/32_from_float32``, kernel ``cpu_ffi``:
   int8 inputs, integer products), for comparison.
 
@@ -48,12 +52,14 @@ from autopolicy.search.timing import Candidate, Timer  # noqa: E402
 
 SHAPES = ((576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152), (4096, 4096))
 BASELINE = "float32"
-GROUPS = (32, 128)
+KERNEL_LABELS = {"xla": "xla", "cpu_ffi": "ffi", "cpu_ffi_avx2": "ffi avx2"}
+#: (bits, group) of the weight-only layouts timed (-1: per channel).
+LAYOUTS = ((4, 32), (4, 128), (8, -1))
 
 
-def _weight_only_op(group: int, kernel: str):
+def _weight_only_op(bits: int, group: int, kernel: str):
     def call(weights, x):
-        return weight_only.einsum_kernel("mk,kn->mn", x, weights, (4, group), jnp.float32, kernel=kernel)
+        return weight_only.einsum_kernel("mk,kn->mn", x, weights, (bits, group), jnp.float32, kernel=kernel)
     return call
 
 
@@ -70,16 +76,17 @@ def candidates(m: int, k: int, n: int, seed: int) -> tuple[dict[str, Candidate],
     w = jnp.asarray((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32))
     out = {BASELINE: Candidate(lambda w_, x_: x_ @ w_, (x,), state=w)}
     nbytes = {BASELINE: 4 * k * n}
-    for group in GROUPS:
-        q, scale, zero = weight_only.round_to_nearest(w.T, 4, group)
-        stored = weight_only.store(q, scale, zero, weight_only.group_index(k, group), 4, jnp.float32)
+    avx2 = cpu_weight_only.AVAILABLE and cpu_kernels.kernel_distinct_on("cpu_ffi_avx2", current_device().cpu_features)
+    for bits, group in LAYOUTS:
+        q, scale, zero = weight_only.round_to_nearest(w.T, bits, group)
+        stored = weight_only.store(q, scale, zero, weight_only.group_index(k, group), bits, jnp.float32)
         groups = weight_only.group_count(k, group)
-        size = k * ((n + 1) // 2) + 5 * n * groups
-        out[f"gptq/4/{group} xla"] = Candidate(_weight_only_op(group, "xla"), (x,), state=stored)
-        nbytes[f"gptq/4/{group} xla"] = size
-        if cpu_weight_only.AVAILABLE:
-            out[f"gptq/4/{group} ffi"] = Candidate(_weight_only_op(group, "cpu_ffi"), (x,), state=stored)
-            nbytes[f"gptq/4/{group} ffi"] = size
+        size = k * ((n + 1) // 2 if bits == 4 else n) + 5 * n * groups
+        kernels = ["xla"] + (["cpu_ffi"] if cpu_weight_only.AVAILABLE else []) + (["cpu_ffi_avx2"] if avx2 else [])
+        for kernel in kernels:
+            name = f"gptq/{bits}/{group} {KERNEL_LABELS[kernel]}"
+            out[name] = Candidate(_weight_only_op(bits, group, kernel), (x,), state=stored)
+            nbytes[name] = size
     if cpu_kernels.AVAILABLE:
         q4 = int4._quantize_kernel(w, (0,), 32, jnp.dtype(jnp.float32))  # pylint: disable=protected-access
         out["int4/32 ffi"] = Candidate(_int4_op(32), (x,), state=q4)
