@@ -12,11 +12,11 @@ import autopolicy.nn as nn
 from autopolicy import policies, search
 from autopolicy.numerics import cpu_kernels, kernels
 from autopolicy.numerics.device import Device
-from autopolicy.search import profiling, verify
+from autopolicy.search import _report_tables, profiling, verify
 from autopolicy.search.adapter import get_adapter
 from autopolicy.search.cache import MeasurementCache
 from autopolicy.search.endtoend import EndToEnd, config_key
-from autopolicy.search.phases import Configuration, LatencyProfile, LayerTiming
+from autopolicy.search.phases import AccuracyProfile, Configuration, LatencyProfile, LayerTiming
 from tests.helpers import gaussian
 
 VNNI = Device("cpu", "stand-in Xeon", cpu_features=("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"))
@@ -256,30 +256,35 @@ def test_a_kernel_set_replaces_the_kernels_timed_alone_only_when_faster_end_to_e
     adapter = get_adapter(model, (X,), [(X,)])
     int8 = "int8_from_float32"
     sites = profiling.sites(adapter.layers(), [policies.get(int8)])
+    float32 = LayerTiming(3e-3, 3e-3, 3e-3, 0.01, 3, 1, True, 4000)
     latency = LatencyProfile(tuple(sites), {
-        "m/a": {int8: _timing("u8s8", (("u8s8", 1.0e-3), ("s8s8", 1.1e-3)))},
-        "m/b": {int8: _timing("u8s8", (("u8s8", 1.0e-3), ("s8s8", 1.2e-3)))},
+        "m/a": {int8: _timing("u8s8", (("u8s8", 1.0e-3), ("s8s8", 1.1e-3))), "float32": float32},
+        "m/b": {int8: _timing("u8s8", (("u8s8", 1.0e-3), ("s8s8", 1.2e-3))), "float32": float32},
     }, {})
     choice = profiling.kernel_choice(latency)
     adapter.use_kernels(choice)
     winner = _chosen_map(adapter, latency, {"m/a": int8, "m/b": int8})
-    float32 = Configuration("uniform float32", "uniform", {}, adapter.complete_map({}), 3e-3, uniform="float32")
-    models = {winner.name: adapter.with_policies(winner.policy_map), float32.name: model}
+    reference = Configuration("uniform float32", "uniform", {}, adapter.complete_map({}), 3e-3, uniform="float32")
+    models = {winner.name: adapter.with_policies(winner.policy_map), reference.name: model}
     ctx = types.SimpleNamespace(adapter=adapter, repeats=4)
-    seconds = {float32.name: 3e-3, winner.name: 1e-3, f"{winner.name} on s8s8": s8s8_seconds}
+    seconds = {reference.name: 3e-3, winner.name: 1e-3, f"{winner.name} on s8s8": s8s8_seconds}
     with MeasurementCache(str(tmp_path)) as cache:
         e2e = _ScriptedRounds(adapter, models, cache, seconds)
-        chosen, log = verify.confirm_kernels(ctx, latency, winner, float32, models, e2e, choice)
+        chosen, log = verify.confirm_kernels(ctx, latency, winner, reference, models, e2e, choice)
         assert e2e.timed_rounds == 4  # settled after the first step of half the repeats
         again = _ScriptedRounds(adapter, models, cache, seconds)  # a rerun reads the rounds back
-        assert verify.confirm_kernels(ctx, latency, winner, float32, models, again, choice)[1] == log
+        assert verify.confirm_kernels(ctx, latency, winner, reference, models, again, choice)[1] == log
         assert again.timed_rounds == 0
     assert len(log) == 1
     assert log[0].startswith(f"kernels: s8s8 on 2 more layer(s) (timed alone 1.150x the seconds) "
                              f"{'replaces' if replaced else 'does not replace'} the kernels timed fastest alone "
                              "in map (round 1): ")
-    assert set(models) == {winner.name, float32.name}  # the set's model kept only where it won
+    assert set(models) == {winner.name, reference.name}  # the set's model kept only where it won
     assert chosen.name == winner.name
+    # The profile's kernel column names what the chosen layers run.
+    profile = _report_tables.profile_frame(latency, AccuracyProfile({}, "skipped", 0), chosen)
+    assert profile[profile.chosen].set_index("layer")["kernel"].to_dict() == (
+        {"m/a": "s8s8", "m/b": "s8s8"} if replaced else {"m/a": "u8s8", "m/b": "u8s8"})
     if replaced:
         assert chosen.kernels == (("m/a", "s8s8"), ("m/b", "s8s8"))
         assert models[winner.name].kernels() == {"m/a": "s8s8", "m/b": "s8s8"}
