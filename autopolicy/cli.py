@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import pathlib
 import re
@@ -188,11 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="output directory (default: RUN_DIR)")
 
-    export = add("export", help="export a run's policy map")
+    export = add("export", help="export a run's policy map (and the kernels its layers run)")
     export.add_argument("run_dir")
     export.add_argument("--out", required=True, help="output file")
     export.add_argument("--format", choices=("json", "table"), default="json",
-                        help="json: Keras DTypePolicyMap envelope; table: path and policy per line")
+                        help="json: Keras DTypePolicyMap envelope, with its kernels in OUT.kernels.json beside it "
+                             "(for model.with_kernels); table: path and policy per line")
 
     show = add("show", help="print a policy map file")
     show.add_argument("map_file")
@@ -380,15 +382,23 @@ def _map_rows(policy_map: Any) -> list[tuple[str, str]]:
 
 def _export(args: argparse.Namespace) -> int:
     from autopolicy import _atomic, _rundir, policies  # pylint: disable=import-outside-toplevel
-    from autopolicy.search.result import MAP_FILE  # pylint: disable=import-outside-toplevel
+    from autopolicy.search import result  # pylint: disable=import-outside-toplevel
 
-    source = os.path.join(args.run_dir, MAP_FILE)
+    source = os.path.join(args.run_dir, result.MAP_FILE)
     if not os.path.isfile(source):
         raise UsageError(f"no policy map in {args.run_dir!r} (expected {source!r}); run `autopolicy tune` first")
     _rundir.check_output_file(args.out)
     policy_map = policies.load_policy_map(source)
+    sidecar = os.path.join(args.run_dir, result.KERNELS_FILE)
+    kernels = result.load_kernels(sidecar) if os.path.isfile(sidecar) else None  # older runs have none
     if args.format == "json":
         policies.save_policy_map(policy_map, args.out)
+        if kernels is not None:  # the kernels beside the map: model.with_kernels(load_kernels(...))
+            with open(sidecar, encoding="utf-8") as f:
+                device = json.load(f).get("device")
+            result.save_kernels(kernels, result.kernels_path(args.out), device)
+            print(f"wrote {args.out} and its kernels, {result.kernels_path(args.out)}")
+            return EXIT_OK
     else:
         rows = _map_rows(policy_map)
         width = max(len(p) for p, _ in rows)

@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from autopolicy import cli
+from autopolicy.search import load_run
 
 TINY = textwrap.dedent('''
     """tiny: a 2-layer MLP on random data, for the CLI tests."""
@@ -55,9 +56,17 @@ def test_tune_writes_a_run_directory(run_dir, capsys):
 
 def test_export_json_and_table_and_show(run_dir, tmp_path, capsys):
     assert cli.main(["export", str(run_dir), "--out", str(tmp_path / "map.json")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'map.json'} and its kernels, {tmp_path / 'map.kernels.json'}"
     exported = json.loads((tmp_path / "map.json").read_text())
     assert exported == json.loads((run_dir / "policy_map.json").read_text())
     assert exported["class_name"] == "DTypePolicyMap"
+    # The map's kernel sidecar goes with it: the kernel each chosen layer runs, as the profile says.
+    sidecar = json.loads((tmp_path / "map.kernels.json").read_text())
+    assert sidecar == json.loads((run_dir / "policy_map.kernels.json").read_text())
+    profile = load_run(run_dir)["profile"]
+    chosen = profile[profile["chosen"] & profile["kernel"].notna()]
+    assert sidecar["format"] == "autopolicy.kernels/1" and sidecar["kernels"] == dict(zip(chosen["layer"], chosen["kernel"]))
+    assert sidecar["device"] == json.loads((run_dir / "summary.json").read_text())["device"]
     assert cli.main(["export", str(run_dir), "--out", str(tmp_path / "map.txt"), "--format", "table"]) == 0
     lines = (tmp_path / "map.txt").read_text().splitlines()
     assert lines[-1].split() == ["<default>", "float32"]

@@ -13,6 +13,7 @@ from autopolicy import policies, search
 from autopolicy.numerics import cpu_kernels, kernels
 from autopolicy.numerics.device import Device
 from autopolicy.search import _report_tables, profiling, verify
+from autopolicy.search import result as result_module
 from autopolicy.search.adapter import get_adapter
 from autopolicy.search.cache import MeasurementCache
 from autopolicy.search.endtoend import EndToEnd, config_key
@@ -295,3 +296,34 @@ def test_a_kernel_set_replaces_the_kernels_timed_alone_only_when_faster_end_to_e
         assert models[winner.name].kernels() == {"m/a": "u8s8", "m/b": "u8s8"}
     # The adapter is left with the kernels timed alone.
     assert adapter.with_policies(winner.policy_map).kernels() == {"m/a": "u8s8", "m/b": "u8s8"}
+
+
+def test_a_tuned_maps_kernels_travel_in_its_sidecar(model, monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(kernels, "current_device", lambda: VNNI)
+    y = np.asarray(model(X))
+
+    def fidelity(m):
+        return -float(np.mean((np.asarray(m(X)) - y) ** 2))
+
+    result = search.tune(model, fidelity, X, max_drop=1.0, relative=False, repeats=3, candidates=["int8_from_float32"],
+                         progress=False, cache_dir=str(tmp_path / "cache"), confirm_seconds=0)
+    assert result.kernels == result.model.kernels()  # every quantized layer of the tuned model, by name
+    result.save(tmp_path / "run")
+    sidecar = tmp_path / "run" / "policy_map.kernels.json"
+    kernels_read = search.load_kernels(sidecar)
+    assert kernels_read == result.kernels
+    rebuilt = model.with_dtype_policy(policies.load_policy_map(tmp_path / "run" / "policy_map.json"))
+    assert rebuilt.with_kernels(search.load_kernels(sidecar, rebuilt)).kernels() == result.kernels
+    # A kernel this process cannot run (chosen on another machine) is left out, with a warning.
+    quantized = model.quantize("int8")
+    foreign = tmp_path / "foreign.kernels.json"
+    result_module.save_kernels({"m/a": "s8s8", "m/b": "amx_only"}, foreign, "elsewhere")
+    with caplog.at_level("WARNING"):
+        assert search.load_kernels(foreign, quantized) == {"m/a": "s8s8"}
+    assert "1 layer(s) were chosen with kernels this process cannot run (amx_only, e.g. 'm/b')" in caplog.text
+    (tmp_path / "bad.json").write_text('{"kernels": {"m/a": 3}}')
+    with pytest.raises(ValueError, match=r"bad\.json' is not a kernel sidecar \(expected a JSON object with "
+                                         r"\"format\": 'autopolicy\.kernels/1'"):
+        search.load_kernels(tmp_path / "bad.json")
+    assert result_module.kernels_path("runs/x/map.json") == "runs/x/map.kernels.json"
+    assert result_module.kernels_path("map") == "map.kernels.json"

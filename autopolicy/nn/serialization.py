@@ -19,6 +19,7 @@ import ml_dtypes  # noqa: F401  (bfloat16/float8 dtype names)
 import numpy as np
 
 from autopolicy import _atomic, _json, policies
+from autopolicy.numerics import kernels as kernels_mod
 from autopolicy.nn import _config, weight_calibration
 from autopolicy.nn._module import Module
 
@@ -266,19 +267,8 @@ def _weights(raw: bytes, model: Module, dtypes: dict[str, Any], saved_format: st
 
 
 def _runnable_kernels(model: Module, kernels: dict) -> dict:
-    """The saved kernel choices this process can run. A model tuned on another machine may name a
-    kernel this one lacks (``cpu_ffi`` where the CPU kernels are not built, ``cpu_ffi_avx2`` on a
-    CPU without AVX2): those layers take their mode's default kernel, with one warning naming
-    them (every int8 kernel gives the same outputs; int4's agree to float32 rounding). Paths the
-    model does not have stay, for ``with_kernels`` to refuse."""
-    layers = model.layers_by_path()
-    dropped = {p: k for p, k in kernels.items()
-               if p in layers and hasattr(layers[p], "kernel_choices") and k not in layers[p].kernel_choices()}
-    if dropped:
-        names = sorted(set(dropped.values()))
-        _log.warning("autopolicy: %d layer(s) were saved with kernels this process cannot run (%s, e.g. %r); "
-                     "they run their mode's default kernel here.", len(dropped), ", ".join(names), next(iter(dropped)))
-    return {p: k for p, k in kernels.items() if p not in dropped}
+    """The saved kernel choices this process can run (:func:`autopolicy.numerics.kernels.runnable`)."""
+    return kernels_mod.runnable(model.layers_by_path(), kernels, "saved")
 
 
 def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = None) -> Module:

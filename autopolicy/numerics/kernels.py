@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+import logging
+from typing import Any, Callable, Mapping
 
 from autopolicy.numerics import cpu_kernels, cpu_weight_only, float8, float_dot, int4, int8, weight_only
 from autopolicy.numerics.device import Device, current_device
@@ -53,7 +54,10 @@ __all__ = [
     "kernel_spec",
     "candidate_kernels",
     "default_kernel",
+    "runnable",
 ]
+
+_log = logging.getLogger("autopolicy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,3 +390,21 @@ def default_kernel(mode: str, op: str = "einsum", device: Device | None = None,
     if op not in kernel_spec(mode, name).op_names:  # int8 conv2d: only s8s8; gather: none
         name = next((s.name for s in kernel_specs(mode) if op in s.op_names), None)
     return name
+
+
+def runnable(layers: Mapping[str, Any], kernels: Mapping[str, str], source: str) -> dict[str, str]:
+    """The kernel choices ``{layer path: kernel}`` this process can run, for ``layers`` (``{path:
+    layer}``, layers with ``kernel_choices()``). A choice made on another machine may name a
+    kernel this one lacks (``cpu_ffi`` where the CPU kernels are not built, ``cpu_ffi_avx2`` on a
+    CPU without AVX2): those layers take their mode's default kernel, with one warning naming
+    them (``source``: how the choices came, "saved" or "chosen"; every int8 kernel gives the same
+    outputs, int4's and the weight-only ones' agree to float32 rounding). Paths ``layers`` does not
+    have stay, for ``with_kernels`` to refuse."""
+    dropped = {p: k for p, k in kernels.items()
+               if p in layers and hasattr(layers[p], "kernel_choices") and k not in layers[p].kernel_choices()}
+    if dropped:
+        names = sorted(set(dropped.values()))
+        _log.warning("autopolicy: %d layer(s) were %s with kernels this process cannot run (%s, e.g. %r); "
+                     "they run their mode's default kernel here.", len(dropped), source, ", ".join(names),
+                     next(iter(dropped)))
+    return {p: k for p, k in kernels.items() if p not in dropped}

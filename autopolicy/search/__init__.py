@@ -18,7 +18,7 @@ from autopolicy.search.phases import (
     Site,
 )
 from autopolicy.search.profiling import profile
-from autopolicy.search.result import TuneResult, load_run
+from autopolicy.search.result import TuneResult, load_kernels, load_run
 from autopolicy.search.tuner import tune
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "profile",
     "TuneResult",
     "load_run",
+    "load_kernels",
     "DEFAULT_CANDIDATES",
     "ModelAdapter",
     "TunableLayer",

@@ -11,13 +11,16 @@ from typing import Any
 
 from autopolicy import _atomic, _multihost, policies
 
-__all__ = ["TuneResult", "write_run", "PROFILE_FILE", "FRONTIER_FILE", "MAP_FILE", "SUMMARY_FILE", "load_run",
-           "write_summary"]
+__all__ = ["TuneResult", "write_run", "PROFILE_FILE", "FRONTIER_FILE", "MAP_FILE", "SUMMARY_FILE", "KERNELS_FILE",
+           "load_run", "write_summary", "kernels_path", "save_kernels", "load_kernels"]
 
 PROFILE_FILE = "profile.csv"
 FRONTIER_FILE = "frontier.csv"
 MAP_FILE = "policy_map.json"
 SUMMARY_FILE = "summary.json"
+#: The map's sidecar: the kernel each tuned layer runs (kernels_path(MAP_FILE)).
+KERNELS_FILE = "policy_map.kernels.json"
+_KERNELS_FORMAT = "autopolicy.kernels/1"
 
 
 def _json_safe(value: Any) -> Any:
@@ -104,16 +107,27 @@ class TuneResult:
 
         return _report_tables.summary(self)
 
+    @property
+    def kernels(self) -> dict[str, str]:
+        """``{layer path: kernel}`` of the chosen layers whose mode names a kernel: the kernel each
+        runs in :attr:`model` (the end-to-end rounds' choice where they made one), what
+        ``policy_map.kernels.json`` holds."""
+        rows = self.profile[self.profile["chosen"]]
+        return {layer: kernel for layer, kernel in zip(rows["layer"], rows["kernel"])
+                if isinstance(kernel, str) and kernel}
+
     def save(self, run_dir: str | os.PathLike) -> None:
-        """Writes ``profile.csv``, ``frontier.csv``, ``policy_map.json`` (Keras envelope) and
-        ``summary.json`` into ``run_dir``, each atomically. With several JAX processes only
-        process 0 writes (every process holds the same result; the others write nothing)."""
-        write_run(run_dir, self.policy_map, self.profile, self.frontier, self.summary)
+        """Writes ``profile.csv``, ``frontier.csv``, ``policy_map.json`` (Keras envelope), its
+        sidecar ``policy_map.kernels.json`` (:attr:`kernels`) and ``summary.json`` into
+        ``run_dir``, each atomically. With several JAX processes only process 0 writes (every
+        process holds the same result; the others write nothing)."""
+        write_run(run_dir, self.policy_map, self.profile, self.frontier, self.summary, self.kernels)
 
 
 def write_run(run_dir: str | os.PathLike, policy_map: policies.DTypePolicyMap, profile: Any, frontier: Any,
-              summary: dict[str, Any]) -> None:
-    """Writes a run directory's four files, each atomically (``TuneResult.save`` uses it).
+              summary: dict[str, Any], kernels: dict[str, str] | None = None) -> None:
+    """Writes a run directory's files, each atomically (``TuneResult.save`` uses it): the map's
+    kernel sidecar too when ``kernels`` is given.
 
     With several JAX processes only process 0 writes (the others hold the same result)."""
     if not _multihost.is_writer():
@@ -122,6 +136,8 @@ def write_run(run_dir: str | os.PathLike, policy_map: policies.DTypePolicyMap, p
     _atomic.write_text(os.path.join(run_dir, PROFILE_FILE), profile.to_csv(index=False))
     _atomic.write_text(os.path.join(run_dir, FRONTIER_FILE), frontier.to_csv(index=False))
     policies.save_policy_map(policy_map, os.path.join(run_dir, MAP_FILE))
+    if kernels is not None:
+        save_kernels(kernels, os.path.join(run_dir, KERNELS_FILE), summary.get("device"))
     _atomic.write_json(os.path.join(run_dir, SUMMARY_FILE), _json_safe(summary))
 
 
@@ -151,3 +167,49 @@ def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         "policy_map": policies.load_policy_map(os.path.join(run_dir, MAP_FILE)),
         "summary": summary,
     }
+
+
+def kernels_path(map_path: str | os.PathLike) -> str:
+    """The kernel sidecar of a policy map file: ``X.json`` -> ``X.kernels.json``.
+
+    >>> kernels_path("runs/a/policy_map.json")
+    'runs/a/policy_map.kernels.json'
+    """
+    root, ext = os.path.splitext(os.fspath(map_path))
+    return f"{root if ext == '.json' else os.fspath(map_path)}.kernels.json"
+
+
+def save_kernels(kernels: dict[str, str], path: str | os.PathLike, device: str | None = None) -> None:
+    """Writes ``{layer path: kernel}`` as a policy map's sidecar (atomically), with the device
+    the kernels were chosen on."""
+    _atomic.write_json(path, {"format": _KERNELS_FORMAT, "device": device, "kernels": dict(sorted(kernels.items()))})
+
+
+def load_kernels(path: str | os.PathLike, model: Any = None) -> dict[str, str]:
+    """Reads a policy map's kernel sidecar (:func:`save_kernels`): ``{layer path: kernel}``, for
+    ``model.with_kernels(...)`` after ``model.with_dtype_policy(policy_map)``.
+
+    With ``model`` (a model under the map with ``layers_by_path()``, as :mod:`autopolicy.nn`'s),
+    the kernels this process cannot run (chosen on another machine: ``cpu_ffi`` where the CPU
+    kernels are not built, ``cpu_ffi_avx2`` without AVX2) are left out, with one warning naming
+    them, as :func:`autopolicy.nn.load` does.
+
+    Raises:
+      FileNotFoundError: if there is no file at ``path``.
+      ValueError: naming the file, when it is not such a sidecar.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{os.fspath(path)!r} is not a kernel sidecar: not JSON ({e})") from None
+    kernels = data.get("kernels") if isinstance(data, dict) else None
+    if (not isinstance(data, dict) or data.get("format") != _KERNELS_FORMAT or not isinstance(kernels, dict)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in kernels.items())):
+        raise ValueError(f"{os.fspath(path)!r} is not a kernel sidecar (expected a JSON object with "
+                         f"\"format\": {_KERNELS_FORMAT!r} and \"kernels\": {{layer path: kernel}}).")
+    if model is None:
+        return dict(kernels)
+    from autopolicy.numerics import kernels as kernel_specs  # pylint: disable=import-outside-toplevel
+
+    return kernel_specs.runnable(model.layers_by_path(), kernels, "chosen")
