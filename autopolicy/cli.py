@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import pathlib
 import re
@@ -393,10 +392,9 @@ def _export(args: argparse.Namespace) -> int:
     kernels = result.load_kernels(sidecar) if os.path.isfile(sidecar) else None  # older runs have none
     if args.format == "json":
         policies.save_policy_map(policy_map, args.out)
-        if kernels is not None:  # the kernels beside the map: model.with_kernels(load_kernels(...))
+        if kernels is not None:  # the kernels beside the map (checked above), for model.with_kernels
             with open(sidecar, encoding="utf-8") as f:
-                device = json.load(f).get("device")
-            result.save_kernels(kernels, result.kernels_path(args.out), device)
+                _atomic.write_text(result.kernels_path(args.out), f.read())
             print(f"wrote {args.out} and its kernels, {result.kernels_path(args.out)}")
             return EXIT_OK
     else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 from typing import Any
 
@@ -23,7 +22,6 @@ from autopolicy.numerics import kernels as kernels_mod
 from autopolicy.nn import _config, weight_calibration
 from autopolicy.nn._module import Module
 
-_log = logging.getLogger("autopolicy")
 
 __all__ = ["save", "load", "register_serializable", "DamagedSaveError"]
 
