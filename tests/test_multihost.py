@@ -89,8 +89,8 @@ def test_two_processes_tune_one_sharded_model_alike(tmp_path):
     layer_timings = [v for v in cached.values() if isinstance(v, dict) and "latency_p25_s" in v]
     assert layer_timings and all(v["latency_p25_s"] >= SLEEP_S for v in layer_timings)
     # Only process 0 wrote: its run directory and cache; process 1 created neither.
-    assert sorted(os.listdir(tmp_path / "p0" / "run")) == ["frontier.csv", "policy_map.json", "profile.csv",
-                                                            "summary.json"]
+    assert sorted(os.listdir(tmp_path / "p0" / "run")) == ["frontier.csv", "policy_map.json",
+                                                            "policy_map.kernels.json", "profile.csv", "summary.json"]
     assert (tmp_path / "p0" / "cache" / "measurements.json").is_file()
     assert not (tmp_path / "p1").exists()
     # The second run found process 0's measurements on both processes alike.
