@@ -45,7 +45,7 @@ __all__ = ["AVAILABLE", "WEIGHT_ONLY_KERNELS", "unavailable_reason", "variant", 
 #: The kernels of the GPTQ and AWQ modes: ``"xla"`` (dequantize, then XLA's float product),
 #: ``"cpu_ffi"`` (this module, on the path in use) and ``"cpu_ffi_avx2"`` (this module on the AVX2
 #: path: :data:`autopolicy.numerics.cpu_kernels.FFI_KERNELS`).
-WEIGHT_ONLY_KERNELS = ("xla", "cpu_ffi", "cpu_ffi_avx2")
+WEIGHT_ONLY_KERNELS = ("xla", *cpu_kernels.FFI_KERNELS)
 _TARGET = "autopolicy_weight_only_matmul"
 _SYMBOL = "AutopolicyWeightOnlyMatmul"
 

@@ -124,6 +124,19 @@ def _bind(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return bound
 
 
+def _ffi_spec(mode: str, name: str, einsum: Callable[..., Any], available: Callable[..., bool], exact: bool,
+              summary: str) -> KernelSpec:
+    """A kernel of autopolicy's CPU library (``name`` in ``cpu_kernels.FFI_KERNELS``): the mode's
+    einsum op and availability check, bound to the kernel's name."""
+    return KernelSpec(mode=mode, name=name, ops=(("einsum", _bind(einsum, name)),),
+                      available=functools.partial(available, name), exact=exact, summary=summary,
+                      needs_library=True)
+
+
+#: What ``cpu_ffi_avx2`` is, in every mode's summary.
+_AVX2_PATH = "the same library on its AVX2 path, on CPUs whose best path is another (AVX-512 or AVX-VNNI)"
+
+
 INT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
     KernelSpec(
         mode="int8",
@@ -142,27 +155,12 @@ INT8_KERNEL_SPECS: tuple[KernelSpec, ...] = (
         summary="inputs shifted by +128 into uint8, XLA:CPU's u8 x s8 -> s32 dot (VNNI/AMX), minus "
                 "128 x the stored column sums",
     ),
-    KernelSpec(
-        mode="int8",
-        name="cpu_ffi",
-        ops=(("einsum", _bind(int8.einsum_kernel, "cpu_ffi")),),
-        available=functools.partial(int8.int8_kernel_available, "cpu_ffi"),
-        exact=True,
-        summary="autopolicy's own CPU kernel through the XLA FFI on the CPU's best SIMD path (AVX512-VNNI, "
-                "AVX-VNNI, AVX2 or portable, chosen at run time): the weights streamed once at few rows, "
-                "register-blocked GEMMs at many, on the caller and polling helper threads",
-        needs_library=True,
-    ),
-    KernelSpec(
-        mode="int8",
-        name="cpu_ffi_avx2",
-        ops=(("einsum", _bind(int8.einsum_kernel, "cpu_ffi_avx2")),),
-        available=functools.partial(int8.int8_kernel_available, "cpu_ffi_avx2"),
-        exact=True,
-        summary="the same library on its AVX2 path, on CPUs whose best path is another (AVX-512 or "
-                "AVX-VNNI): its byte streams can beat the wider ones at batch 1 (a Zen 4 EPYC's decode step)",
-        needs_library=True,
-    ),
+    _ffi_spec("int8", "cpu_ffi", int8.einsum_kernel, int8.int8_kernel_available, True,
+              "autopolicy's own CPU kernel through the XLA FFI on the CPU's best SIMD path (AVX512-VNNI, "
+              "AVX-VNNI, AVX2 or portable, chosen at run time): the weights streamed once at few rows, "
+              "register-blocked GEMMs at many, on the caller and polling helper threads"),
+    _ffi_spec("int8", "cpu_ffi_avx2", int8.einsum_kernel, int8.int8_kernel_available, True,
+              f"{_AVX2_PATH}: its byte streams can beat the wider ones at batch 1 (a Zen 4 EPYC's decode step)"),
 )
 
 INT4_KERNEL_SPECS: tuple[KernelSpec, ...] = (
@@ -174,26 +172,11 @@ INT4_KERNEL_SPECS: tuple[KernelSpec, ...] = (
         exact=True,
         summary="XLA's int8 dots over the unpacked halves, one accumulator per block, then the scales",
     ),
-    KernelSpec(
-        mode="int4",
-        name="cpu_ffi",
-        ops=(("einsum", _bind(int4.einsum_kernel, "cpu_ffi")),),
-        available=functools.partial(int4.int4_kernel_available, "cpu_ffi"),
-        exact=False,
-        summary="autopolicy's own CPU kernel through the XLA FFI: nibbles unpacked in registers, the "
-                "block scales applied inside; within float32 rounding of the sum over blocks of 'xla'",
-        needs_library=True,
-    ),
-    KernelSpec(
-        mode="int4",
-        name="cpu_ffi_avx2",
-        ops=(("einsum", _bind(int4.einsum_kernel, "cpu_ffi_avx2")),),
-        available=functools.partial(int4.int4_kernel_available, "cpu_ffi_avx2"),
-        exact=False,
-        summary="the same library on its AVX2 path, on CPUs whose best path is another (AVX-512 or "
-                "AVX-VNNI); as 'cpu_ffi', within float32 rounding of 'xla'",
-        needs_library=True,
-    ),
+    _ffi_spec("int4", "cpu_ffi", int4.einsum_kernel, int4.int4_kernel_available, False,
+              "autopolicy's own CPU kernel through the XLA FFI: nibbles unpacked in registers, the "
+              "block scales applied inside; within float32 rounding of the sum over blocks of 'xla'"),
+    _ffi_spec("int4", "cpu_ffi_avx2", int4.einsum_kernel, int4.int4_kernel_available, False,
+              f"{_AVX2_PATH}; as 'cpu_ffi', within float32 rounding of 'xla'"),
 )
 
 def _weight_only_specs(mode: str) -> tuple[KernelSpec, ...]:
@@ -206,28 +189,14 @@ def _weight_only_specs(mode: str) -> tuple[KernelSpec, ...]:
             exact=True,
             summary="the whole kernel dequantized to the compute dtype, then XLA's float product",
         ),
-        KernelSpec(
-            mode=mode,
-            name="cpu_ffi",
-            ops=(("einsum", _bind(weight_only.einsum_kernel, "cpu_ffi")),),  # XLA's path off a CPU
-            available=functools.partial(cpu_weight_only.kernel_available, "cpu_ffi"),
-            exact=False,
-            summary="autopolicy's own CPU kernel through the XLA FFI: the stored bytes read once, values "
-                    "converted in registers, group scales and zero points applied per group; within float32 "
-                    "rounding of 'xla' (which it falls back to for act-order g_idx and sharded operands)",
-            needs_library=True,
-        ),
-        KernelSpec(
-            mode=mode,
-            name="cpu_ffi_avx2",
-            ops=(("einsum", _bind(weight_only.einsum_kernel, "cpu_ffi_avx2")),),
-            available=functools.partial(cpu_weight_only.kernel_available, "cpu_ffi_avx2"),
-            exact=False,
-            summary="'cpu_ffi' on its AVX2 path, where the CPU's best path is an AVX-512 one (on a Zen 4, "
-                    "whose AVX-512 runs as two 256-bit halves, it decoded SmolLM2 under gptq/8 1.6x faster); "
-                    "as 'cpu_ffi', within float32 rounding of 'xla'",
-            needs_library=True,
-        ),
+        # Both run XLA's path off a CPU.
+        _ffi_spec(mode, "cpu_ffi", weight_only.einsum_kernel, cpu_weight_only.kernel_available, False,
+                  "autopolicy's own CPU kernel through the XLA FFI: the stored bytes read once, values "
+                  "converted in registers, group scales and zero points applied per group; within float32 "
+                  "rounding of 'xla' (which it falls back to for act-order g_idx and sharded operands)"),
+        _ffi_spec(mode, "cpu_ffi_avx2", weight_only.einsum_kernel, cpu_weight_only.kernel_available, False,
+                  f"{_AVX2_PATH} (on a Zen 4, whose AVX-512 runs as two 256-bit halves, it decoded SmolLM2 "
+                  "under gptq/8 1.6x faster); as 'cpu_ffi', within float32 rounding of 'xla'"),
     )
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopolicy.numerics import int4
+from autopolicy.numerics import cpu_kernels, int4
 
 __all__ = [
     "PER_CHANNEL",
@@ -226,8 +226,8 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
       UncalibratedError: if the weights were never calibrated.
       ValueError: for an unknown kernel.
     """
-    if kernel in ("cpu_ffi", "cpu_ffi_avx2"):  # cpu_kernels.FFI_KERNELS
-        from autopolicy.numerics import cpu_kernels, cpu_weight_only  # they build on this module
+    if kernel in cpu_kernels.FFI_KERNELS:
+        from autopolicy.numerics import cpu_weight_only  # it builds on this module
 
         if cpu_weight_only.AVAILABLE and is_calibrated(weights):  # else it raises, naming why
             # On a CPU the kernel's call, elsewhere the XLA path below: the same values.
@@ -236,7 +236,7 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
                 lambda x_, w_: einsum_kernel(equation, x_, w_, layout, compute_dtype), x, weights)
         return cpu_weight_only.einsum_kernel(equation, x, weights, layout, compute_dtype, kernel)
     if kernel not in (None, "xla"):
-        raise ValueError("Invalid GPTQ/AWQ kernel. Expected one of ('xla', 'cpu_ffi', 'cpu_ffi_avx2'). "
+        raise ValueError(f"Invalid GPTQ/AWQ kernel. Expected one of {('xla', *cpu_kernels.FFI_KERNELS)}. "
                          f"Received: kernel={kernel!r}")
     if not is_calibrated(weights):
         raise UncalibratedError("A GPTQ/AWQ layer runs only once calibrated: call "
