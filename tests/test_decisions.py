@@ -461,15 +461,80 @@ def test_final_rounds_time_only_float32_and_the_configurations_still_undecided()
 
 def test_final_rounds_narrow_only_once_every_pair_has_an_interval():
     # A map decided over float32 on the calibration rounds' figures alone would leave decide()
-    # comparing it with the uniform policy it challenges on fewer than 3 shared rounds.
-    float32, slow, fast = (_config("uniform float32", "uniform", 10.0), _config("uniform int8", "uniform", 12.0),
+    # comparing it with the uniform policy it challenges (1.25x float32) on fewer than 3 shared
+    # rounds.
+    float32, int8, fast = (_config("uniform float32", "uniform", 10.0), _config("uniform int8", "uniform", 8.0),
                            _config("map (round 1)", "map", 6.0))
-    e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 12.0, "map (round 1)": 6.0}, 0.02, 10)
+    e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform int8": 8.0, "map (round 1)": 6.0}, 0.02, 10)
     e2e.samples_["map (round 1)"][:8] = [math.nan] * 8  # the map was timed in the last 2 rounds only
-    assert [c.name for c in verify.unsettled(Ctx, e2e, float32, [slow, fast])] == ["uniform float32", "uniform int8",
+    assert [c.name for c in verify.unsettled(Ctx, e2e, float32, [int8, fast])] == ["uniform float32", "uniform int8",
                                                                                   "map (round 1)"]
     e2e._time(["uniform float32", "uniform int8", "map (round 1)"], 1)
-    assert verify.unsettled(Ctx, e2e, float32, [slow, fast]) == []
+    assert verify.unsettled(Ctx, e2e, float32, [int8, fast]) == []
+
+
+def test_a_uniform_policy_clearly_slower_than_float32_is_not_timed_with_the_maps():
+    # The calibration rounds put bf16 at 0.83x float32: it can neither replace float32 nor be
+    # the incumbent a map challenges, so a new map's rounds leave it out; int8 (1.25x) stays.
+    float32, bf16, int8, new_map = (_config("uniform float32", "uniform", 10.0), _config("uniform bf16", "uniform", 12.0),
+                                    _config("uniform int8", "uniform", 8.0), _config("map (round 1)", "map", 6.0))
+    e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform bf16": 12.0, "uniform int8": 8.0,
+                           "map (round 1)": 6.0}, 0.02, 10)
+    e2e.samples_["map (round 1)"][:] = [math.nan] * 10  # calibration timed the uniform policies only
+    assert [c.name for c in verify.unsettled(Ctx, e2e, float32, [new_map, bf16, int8])] == [
+        "uniform float32", "map (round 1)", "uniform int8"]
+    # Where float32 cannot be chosen, the fastest other configuration is the incumbent: all stay.
+    excluded = float32.with_(excluded="over the memory budget")
+    assert [c.name for c in verify.unsettled(Ctx, e2e, excluded, [new_map, bf16, int8])] == [
+        "uniform float32", "map (round 1)", "uniform bf16", "uniform int8"]
+    # Two rounds are too few for an interval: a policy is not left out on them.
+    e2e = SteppedEndToEnd({"uniform float32": 10.0, "uniform bf16": 12.0}, 0.02, 2)
+    assert verify.unsettled(Ctx, e2e, float32, [bf16]) == [float32, bf16]
+
+
+def test_time_until_asks_first_what_earlier_groups_left_undecided(tmp_path):
+    from autopolicy.search.cache import MeasurementCache
+    from autopolicy.search.endtoend import EndToEnd, config_key
+
+    configs = [_config(n, "uniform", 1.0) for n in ("uniform float32", "uniform bf16", "uniform int8")]
+    e2e = EndToEnd(None, {}, MeasurementCache(None), "fingerprint", "digest", [[1, 4]])
+    timed = []
+
+    def fake_time(todo, rounds):
+        timed.append(([c.name for c in todo], rounds))
+        e2e.rounds += [{config_key(c): 1.0 for c in todo} for _ in range(rounds)]
+
+    e2e._time = fake_time
+    looks = iter([[configs[0], configs[2]], []])
+    e2e.time_until(configs, 40, 10, lambda: next(looks), "final", first=True)
+    assert timed == [(["uniform float32", "uniform int8"], 10)]
+    e2e.time_until(configs, 40, 10, lambda: [], "other", first=True)  # all decided already: no rounds
+    assert timed == [(["uniform float32", "uniform int8"], 10)] and len(e2e.rounds) == 10
+
+
+def test_a_fresh_group_after_a_cached_one_may_take_extra_rounds():
+    from autopolicy.search.cache import MeasurementCache
+    from autopolicy.search.endtoend import EndToEnd, config_key
+
+    configs = [_config("uniform float32", "uniform", 1.0), _config("uniform bf16", "uniform", 1.0)]
+    cache = MeasurementCache(None)
+    first = EndToEnd(None, {}, cache, "fingerprint", "digest", [[1, 4]])
+
+    def fake_time(e2e):
+        def run(todo, rounds):
+            e2e.rounds += [{config_key(c): 1.0 for c in todo} for _ in range(rounds)]
+        return run
+
+    first._time = fake_time(first)
+    first.time_group(configs, 5, "calibration")
+    later = EndToEnd(None, {}, cache, "fingerprint", "digest", [[1, 4]])
+    later._time = fake_time(later)
+    later.time_group(configs, 5, "calibration")  # a later run: the calibration rounds from the cache
+    assert later.from_cache and not later.more(configs, 3) and len(later.rounds) == 5
+    new_map = _config("map (round 1)", "map", 1.0)
+    later.time_until(configs + [new_map], 10, 5, lambda: [], "final")  # its own map: timed afresh
+    assert not later.from_cache and later.more([configs[0], new_map], 3)
+    assert later.rounds_together([configs[0], new_map]) == 8
 
 
 def test_time_until_times_what_pending_names_after_each_step():

@@ -64,9 +64,9 @@ class EndToEnd:
         group = key(*self.prefix, tag, keys, rounds)
         cached = self.cache.lookup(group)
         self._starts[group] = len(self.rounds)
+        self.from_cache = cached is not None
         if cached is not None:
             self.rounds += [dict(r) for r in cached["rounds"]]
-            self.from_cache = True
             self._cached_groups.add(group)
             return group
         self._time(configs, rounds)
@@ -74,23 +74,25 @@ class EndToEnd:
         return group
 
     def time_until(self, configs: Sequence[Configuration], rounds: int, step: int,
-                   pending: Callable[[], Sequence[Configuration]], tag: str) -> str:
+                   pending: Callable[[], Sequence[Configuration]], tag: str, first: bool = False) -> str:
         """Times ``configs`` in steps of ``step`` rounds, then only those ``pending()`` names
         (asked after each step, on every round so far: the configurations whose figures are
         still undecided, with their reference), until it names none or ``rounds`` rounds; or
-        loads the rounds from the cache.
+        loads the rounds from the cache. With ``first``, ``pending()`` is asked before the
+        first step too: configurations that earlier groups' rounds already decided are not
+        timed again (none at all when it names none).
 
         Returns the group's cache key (see :meth:`persist`)."""
         keys = sorted({config_key(c) for c in configs})
         group = key(*self.prefix, tag, keys, rounds, step, "narrowing")
         cached = self.cache.lookup(group)
         self._starts[group] = len(self.rounds)
+        self.from_cache = cached is not None
         if cached is not None:
             self.rounds += [dict(r) for r in cached["rounds"]]
-            self.from_cache = True
             self._cached_groups.add(group)
             return group
-        done, todo = 0, list(configs)
+        done, todo = 0, list(pending() if first else configs)
         while done < rounds and todo:
             self._time(todo, min(step, rounds - done))
             done += step
@@ -141,7 +143,8 @@ class EndToEnd:
 
     def more(self, configs: Sequence[Configuration], rounds: int) -> bool:
         """Takes more rounds of ``configs`` to settle a close call; False when it cannot (the
-        group came from the cache: the cached decision stands)."""
+        latest group came from the cache: the cached decision stands). A group timed afresh
+        after groups loaded from the cache (a later run's new map) may take them."""
         if self.from_cache:
             return False
         start = time.perf_counter()

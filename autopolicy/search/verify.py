@@ -369,16 +369,32 @@ def unsettled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[
     they have not yet shared the rounds an interval needs); empty once none is left. A
     configuration already decided is timed no more: the rounds go to the close calls
     (:func:`decide` reads the speed-ups over float32 first, and gives close calls between other
-    configurations extra rounds of their own)."""
+    configurations extra rounds of their own).
+
+    A configuration that earlier rounds (the calibration's, of the uniform policies) already
+    show clearly slower than float32 by the margin is left out from the start: it can neither
+    replace float32 nor become the incumbent a map challenges, so it needs no rounds with the
+    maps (unless float32 cannot be chosen, when the fastest other configuration is the
+    incumbent). A later run whose map differs times that map with float32 and the uniform
+    policies that could win, not every uniform policy again."""
     if e2e.failure(float32):
         return []
     timed = [c for c in others if not e2e.failure(c)]
+    if not float32.excluded:
+        timed = [c for c in timed if not _clearly_slower(ctx, e2e, c, float32)]
     if e2e.rounds_together([float32] + timed) < MIN_PAIRED_ROUNDS:
         # Every pair gets an interval first: decide may compare any two (a map with the uniform
         # policy it challenges), and two configurations decided at once would share no more rounds.
         return [float32] + timed
     open_ = [c for c in timed if e2e.speedup(c, float32).straddles(ctx.min_speedup)]
     return [float32] + open_ if open_ else []
+
+
+def _clearly_slower(ctx: Context, e2e: EndToEnd, config: Configuration, float32: Configuration) -> bool:
+    """Whether rounds so far put ``config``'s speed-up over float32 clearly below the margin."""
+    if e2e.rounds_together([config, float32]) < MIN_PAIRED_ROUNDS:
+        return False
+    return e2e.speedup(config, float32).high < ctx.min_speedup
 
 
 def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], uniform_configs: list[Configuration],
@@ -393,7 +409,8 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
     decision log.
     """
     group = e2e.time_until(tried + uniform_configs, 2 * ctx.repeats, max(ctx.repeats // 2, 1),
-                           lambda: unsettled(ctx, e2e, uniform_configs[0], tried + uniform_configs[1:]), "final")
+                           lambda: unsettled(ctx, e2e, uniform_configs[0], tried + uniform_configs[1:]), "final",
+                           first=True)
     grouped = len(e2e.rounds)  # the group's rounds end here; close calls' extra rounds follow
     if e2e.failure(uniform_configs[0]):  # every speed-up is measured against it
         raise ValueError(f"The float32 model could not be timed end to end: {e2e.failure(uniform_configs[0])}")
