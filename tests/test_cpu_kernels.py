@@ -476,6 +476,43 @@ def test_the_serial_threshold_changes_no_result(k, n):
 
 
 @needs_kernels
+def test_slabs_split_by_columns_for_many_threads_change_no_result():
+    """Split for 16 threads (more than K's slabs: 576 rows make two), each slab's columns are
+    split too; int8, per-channel int4 and weight-only outputs equal the caller-alone ones, bit
+    for bit, and set_threads is checked and restored."""
+    rng = np.random.default_rng(3)
+    cases = []
+    for rows, k, n in ((1, 576, 2048), (3, 1536, 600), (2, 576, 600), (1, 640, 333)):
+        x = jnp.asarray(_float_input(rows, k, k + n, adversarial=False))
+        q, w_scale = _int8_kernel(k, n, n, adversarial=False)
+        packed = int4.pack_int4(jnp.asarray(rng.integers(-8, 8, (k, n)).astype(np.int8)))
+        scale = jnp.asarray(rng.uniform(0.01, 1.0, (1, n)).astype(np.float32))
+        wq = jnp.asarray(rng.integers(0, 256, (n, k)).astype(np.uint8))
+        ws = jnp.asarray(rng.uniform(0.01, 0.1, (n, k // 64)).astype(np.float32))
+        wz = jnp.asarray(rng.integers(0, 256, (n, k // 64)).astype(np.uint8))
+        g_idx = jnp.asarray((np.arange(k) // 64).astype(np.float32))
+        cases.append(jax.jit(lambda x=x, q=q, w_scale=w_scale, packed=packed, scale=scale, k=k, wq=wq, ws=ws, wz=wz,
+                             g_idx=g_idx: (cpu_kernels.int8_dense(x, q, w_scale), cpu_kernels.int4_dense(x, packed, scale, k),
+                                           cpu_weight_only.weight_only_matmul(x, wq, ws, wz, 8, 64, g_idx))))
+    assert cpu_kernels.threads() is None
+    results = {}
+    try:
+        for n_threads in (16, 1):
+            cpu_kernels.set_threads(n_threads)
+            assert cpu_kernels.threads() == n_threads
+            results[n_threads] = [[np.asarray(y) for y in fn()] for fn in cases]
+    finally:
+        cpu_kernels.set_threads(None)
+    assert cpu_kernels.threads() is None
+    for split, alone in zip(results[16], results[1], strict=True):
+        for a, b in zip(split, alone, strict=True):
+            assert np.abs(a).max() > 0
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"n must be >= 1 \(or None for XLA's pool's thread count\). Received: n=0"):
+        cpu_kernels.set_threads(0)
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 64])
 def test_the_kernels_own_helpers_change_no_result(rows):
     """The polling helpers (the default) and XLA's pool (spin 0) split the same tasks: equal

@@ -9,7 +9,8 @@ reference) is chosen when it loads, from the CPU's features, never at build time
 whole layer in one call: the per-row quantization, the integer product, the rescale and an
 optional bias, each in the same float32 operations as the package's XLA path, so the outputs
 equal it bit for bit. At batch 1 on small layers the separate XLA ops around the call cost as
-much as the product. Work is split over as many threads as XLA's intra-op pool has: the calling thread and the library's own helpers, which poll for the next call
+much as the product. Work is split over as many threads as XLA's intra-op pool has (or
+:func:`set_threads` names): the calling thread and the library's own helpers, which poll for the next call
 for :func:`spin_us` microseconds before they sleep (or XLA's pool itself, with
 ``set_spin_us(0)``); calls whose weights are below :func:`serial_max_bytes` run on the calling
 thread alone.
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 
 __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
            "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "serial_max_bytes",
-           "set_serial_max_bytes", "spin_us", "set_spin_us", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "decode_attention", "DENSE_DTYPES",
+           "set_serial_max_bytes", "spin_us", "set_spin_us", "threads", "set_threads", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "decode_attention", "DENSE_DTYPES",
            "notice_once", "FFI_KERNELS", "kernel_path", "kernel_distinct_on"]
 
 #: Set to 1 to leave the kernels out (as on a machine without a compiler).
@@ -106,6 +107,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.autopolicy_cpu_set_serial_max_bytes.argtypes = [ctypes.c_int64]
         lib.autopolicy_cpu_spin_us.restype = ctypes.c_int64
         lib.autopolicy_cpu_set_spin_us.argtypes = [ctypes.c_int64]
+        lib.autopolicy_cpu_threads.restype = ctypes.c_int64
+        lib.autopolicy_cpu_set_threads.argtypes = [ctypes.c_int64]
     except (OSError, AttributeError) as e:
         return None, f"{os.path.basename(file)} failed to load: {e}"
     return lib, None
@@ -274,6 +277,28 @@ def set_spin_us(us: int | None) -> None:
     if us is not None and int(us) < 0:
         raise ValueError(f"us must be >= 0 (or None for the default). Received: us={us!r}")
     _lib().autopolicy_cpu_set_spin_us(-1 if us is None else int(us))
+
+
+def threads() -> int | None:
+    """The threads each kernel call splits its work for, where set (``set_threads`` or
+    ``AUTOPOLICY_CPU_THREADS``); None: as many as XLA's intra-op pool has, the default."""
+    n = int(_lib().autopolicy_cpu_threads())
+    return n or None
+
+
+def set_threads(n: int | None) -> None:
+    """Has every kernel call split its work for ``n`` threads (``AUTOPOLICY_CPU_THREADS`` sets it
+    at load), fewer or more than XLA's pool has: 1 keeps each call on the calling thread, and a
+    count above the machine's cores splits the work as such a machine would (the threads there
+    are take its tasks; tests use it). None restores the pool's count. Takes effect at once,
+    compiled programs included.
+
+    Raises:
+      ValueError: for ``n`` < 1.
+    """
+    if n is not None and int(n) < 1:
+        raise ValueError(f"n must be >= 1 (or None for XLA's pool's thread count). Received: n={n!r}")
+    _lib().autopolicy_cpu_set_threads(0 if n is None else int(n))
 
 
 def _check(x: jax.Array, w: jax.Array, w_dtype: str, what: str) -> None:

@@ -87,6 +87,7 @@ int64_t g_gemm_min_rows = -1;  // -1: not read yet; 0: the path's own thresholds
 // quiet machine is the one to tune for (a loaded one times nothing reliably): 128 KiB.
 constexpr int64_t kSerialMaxBytes = 128 * 1024;
 int64_t g_serial_max_bytes = -2;  // -2: not read yet
+int64_t g_threads = -2;           // -2: not read yet; 0: XLA's pool's
 
 }  // namespace
 
@@ -124,6 +125,21 @@ int64_t serial_max_bytes() {
 }
 
 void set_serial_max_bytes(int64_t bytes) { g_serial_max_bytes = bytes < 0 ? kSerialMaxBytes : bytes; }
+
+int64_t threads_override() {
+  if (g_threads == -2) {
+    const char* forced = std::getenv("AUTOPOLICY_CPU_THREADS");
+    set_threads_override(forced != nullptr && *forced != '\0' ? std::atoll(forced) : 0);
+  }
+  return g_threads;
+}
+
+void set_threads_override(int64_t threads) { g_threads = threads < 1 ? 0 : threads; }
+
+int64_t call_threads(int64_t pool_threads) {
+  const int64_t forced = threads_override();
+  return forced > 0 ? forced : std::max<int64_t>(1, pool_threads);
+}
 
 bool path_supported(const char* name) { return by_name(name) != nullptr && cpu_has(name); }
 

@@ -26,6 +26,10 @@ constexpr int64_t kColumnsPerTask = 64;
 // The int8 product of few rows (at most kSlabMaxRows) splits K into up to kSlabs slabs of at
 // least kSlabRows rows.
 constexpr int64_t kSlabs = 8, kSlabRows = 256, kSlabMaxRows = 4;
+// Where the slabs are fewer than the threads (a short K on a many-core machine: 576 rows make
+// two), each slab's columns split too, into as many parts as the threads need, of at least
+// kSlabMinColumns columns.
+constexpr int64_t kSlabMinColumns = 256;
 // Per-channel int4 of few rows splits K into slabs from kInt4SlabMinK rows (from
 // kInt4NarrowSlabMinK at up to kInt4NarrowSlabMaxRows rows over at most kNarrowColumns columns)
 // up to the longest K whose sums stay exact in float32 (127 * 8 * K < 2**24).
@@ -39,7 +43,7 @@ constexpr int64_t kSerialEpilogue = 1 << 16;
 struct Runner {
   ffi::ThreadPool* pool;
   bool serial;
-  int64_t threads() const { return serial ? 1 : std::max<int64_t>(1, pool->num_threads()); }
+  int64_t threads() const { return serial ? 1 : call_threads(pool->num_threads()); }
 };
 
 Runner runner_for(ffi::ThreadPool& pool, int64_t work_bytes) {
@@ -110,6 +114,26 @@ void parallel_tiles(const Runner& run_on, int64_t m, int64_t n, int64_t tile_row
   });
 }
 
+// Runs body(s, n0, n1) for each of `slabs` slabs over columns [n0, n1): the whole of [0, n) where
+// the slabs keep every thread busy, else a share of it (whole 64-column chunks: the VNNI
+// kernels'). On two threads, any K long enough for two slabs takes them whole. Measured on a
+// 16-core Xeon (AVX-512 VNNI, AMX): the int8 576 x 49152 head at batch 1 ran at 1.20x float32
+// with its two slabs whole, see reports/cpu-kernels-intel-xeon-processor-16c.md.
+template <typename Body>
+void parallel_slabs(const Runner& run_on, int64_t slabs, int64_t n, Body body) {
+  const int64_t threads = run_on.threads();
+  int64_t parts = std::min((threads + slabs - 1) / slabs, std::max<int64_t>(1, n / kSlabMinColumns));
+  int64_t step = n;
+  if (parts > 1) {
+    step = ((n + parts - 1) / parts + 63) / 64 * 64;
+    parts = (n + step - 1) / step;
+  }
+  parallel_tasks(run_on, slabs * parts, [=](int64_t t) {
+    const int64_t s = t / parts, c = t % parts;
+    body(s, c * step, std::min(n, (c + 1) * step));
+  });
+}
+
 ffi::Error bad(const std::string& what) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, what); }
 
 // The slabs' length for `slabs` slabs of K: a multiple of 4 (whole quads and int4 byte pairs).
@@ -145,10 +169,10 @@ void int8_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
     const int64_t step = slab_step(k, slabs), count = (k + step - 1) / step;
     std::vector<int32_t> partial(static_cast<size_t>((count - 1) * m * n));
     int32_t* parts = partial.data();
-    parallel_tasks(run_on, count, [=, &path](int64_t s) {
+    parallel_slabs(run_on, count, n, [=, &path](int64_t s, int64_t n0, int64_t n1) {
       const int64_t k0 = s * step, k1 = std::min(k, k0 + step);
       const std::vector<int8_t> xs = slab_of(xp, m, k, k0, k1);
-      path.int8(xs.data(), m, k1 - k0, wp + k0 * n, n, 0, n, s == 0 ? out : parts + (s - 1) * m * n);
+      path.int8(xs.data(), m, k1 - k0, wp + k0 * n, n, n0, n1, s == 0 ? out : parts + (s - 1) * m * n);
     });
     for (int64_t s = 1; s < count; ++s) {
       const int32_t* src = parts + (s - 1) * m * n;
@@ -209,10 +233,10 @@ void int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
     if (ones.size() < static_cast<size_t>(n)) ones.assign(static_cast<size_t>(n), 1.0f);
     float* parts = partial.get();
     const float* unit = ones.data();
-    parallel_tasks(run_on, count, [=](int64_t s) {
+    parallel_slabs(run_on, count, n, [=](int64_t s, int64_t n0, int64_t n1) {
       const int64_t k0 = s * step, k1 = std::min(k, k0 + step);
       const std::vector<int8_t> xs = slab_of(xp, m, k, k0, k1);
-      fn(xs.data(), m, k1 - k0, wp + (k0 / 2) * n, n, k1 - k0, unit, 0, n, s == 0 ? yp : parts + (s - 1) * m * n);
+      fn(xs.data(), m, k1 - k0, wp + (k0 / 2) * n, n, k1 - k0, unit, n0, n1, s == 0 ? yp : parts + (s - 1) * m * n);
     });
     for (int64_t r = 0; r < m; ++r) {
       float* y = yp + r * n;
@@ -417,4 +441,6 @@ int64_t autopolicy_cpu_serial_max_bytes() { return autopolicy_cpu::serial_max_by
 void autopolicy_cpu_set_serial_max_bytes(int64_t bytes) { autopolicy_cpu::set_serial_max_bytes(bytes); }
 int64_t autopolicy_cpu_spin_us() { return autopolicy_cpu::spin_us(); }
 void autopolicy_cpu_set_spin_us(int64_t us) { autopolicy_cpu::set_spin_us(us); }
+int64_t autopolicy_cpu_threads() { return autopolicy_cpu::threads_override(); }
+void autopolicy_cpu_set_threads(int64_t threads) { autopolicy_cpu::set_threads_override(threads); }
 }

@@ -134,7 +134,7 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   // One row of x streams the weights front to back (weight_only_avx2.cc): a task is then a long
   // run of rows (about four a thread), so each thread's stream is rarely broken; more rows of x
   // reuse each task's weights from the caches, and short tasks balance the threads better.
-  const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t pool_threads = call_threads(pool.num_threads());
   const int64_t per_task = m == 1 ? std::max<int64_t>(kRowsPerTask, (n / (4 * pool_threads)) / kRowsPerTask * kRowsPerTask)
                                   : kRowsPerTask;
   const int64_t parts = (n + per_task - 1) / per_task;

@@ -133,6 +133,14 @@ void rescale_int4(const float* y, int64_t m, int64_t n, const float* x_scale, co
 int64_t serial_max_bytes();
 void set_serial_max_bytes(int64_t bytes);
 
+// The threads a call splits its work for: XLA's intra-op pool's (pool_threads), unless
+// set_threads_override (or AUTOPOLICY_CPU_THREADS at load) names a count (< 1: the pool's again).
+// More than the machine runs at once is allowed: the tasks are split as for that many threads
+// and the helpers there are take them (tests split as a 16-core machine does).
+int64_t call_threads(int64_t pool_threads);
+int64_t threads_override();
+void set_threads_override(int64_t threads);
+
 // The package's own helper threads (helpers.cc), which poll for the next call for spin_us()
 // microseconds after each one before they sleep. offer_to_helpers(helpers, job) has up to
 // `helpers` of them run job() (each at most once; the caller must not depend on any of them
