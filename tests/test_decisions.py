@@ -492,7 +492,9 @@ def test_a_uniform_policy_clearly_slower_than_float32_is_not_timed_with_the_maps
     assert verify.unsettled(Ctx, e2e, float32, [bf16]) == [float32, bf16]
 
 
-def test_time_until_asks_first_what_earlier_groups_left_undecided(tmp_path):
+def _recording_e2e():
+    """Three uniform configurations and an EndToEnd whose rounds take 1 s each, recording what
+    each step timed (names, rounds)."""
     from autopolicy.search.cache import MeasurementCache
     from autopolicy.search.endtoend import EndToEnd, config_key
 
@@ -505,6 +507,11 @@ def test_time_until_asks_first_what_earlier_groups_left_undecided(tmp_path):
         e2e.rounds += [{config_key(c): 1.0 for c in todo} for _ in range(rounds)]
 
     e2e._time = fake_time
+    return configs, e2e, timed
+
+
+def test_time_until_asks_first_what_earlier_groups_left_undecided():
+    configs, e2e, timed = _recording_e2e()
     looks = iter([[configs[0], configs[2]], []])
     e2e.time_until(configs, 40, 10, lambda: next(looks), "final", first=True)
     assert timed == [(["uniform float32", "uniform int8"], 10)]
@@ -538,18 +545,7 @@ def test_a_fresh_group_after_a_cached_one_may_take_extra_rounds():
 
 
 def test_time_until_times_what_pending_names_after_each_step():
-    from autopolicy.search.cache import MeasurementCache
-    from autopolicy.search.endtoend import EndToEnd, config_key
-
-    configs = [_config(n, "uniform", 1.0) for n in ("uniform float32", "uniform bf16", "uniform int8")]
-    e2e = EndToEnd(None, {}, MeasurementCache(None), "fingerprint", "digest", [[1, 4]])
-    timed = []
-
-    def fake_time(todo, rounds):
-        timed.append(([c.name for c in todo], rounds))
-        e2e.rounds += [{config_key(c): 1.0 for c in todo} for _ in range(rounds)]
-
-    e2e._time = fake_time
+    configs, e2e, timed = _recording_e2e()
     looks = iter([[configs[0], configs[2]], [configs[0], configs[2]], []])
     e2e.time_until(configs, 40, 10, lambda: next(looks), "final")
     assert timed == [(["uniform float32", "uniform bf16", "uniform int8"], 10), (["uniform float32", "uniform int8"], 10),
