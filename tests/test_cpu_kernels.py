@@ -479,7 +479,8 @@ def test_the_serial_threshold_changes_no_result(k, n):
 def test_slabs_split_by_columns_for_many_threads_change_no_result():
     """Split for 16 threads (more than K's slabs: 576 rows make two), each slab's columns are
     split too; int8, per-channel int4 and weight-only outputs equal the caller-alone ones, bit
-    for bit, and set_threads is checked and restored."""
+    for bit; calls split for more threads than the cores start no threads of their own each
+    time; set_threads is checked and restored."""
     rng = np.random.default_rng(3)
     cases = []
     for rows, k, n in ((1, 576, 2048), (3, 1536, 600), (2, 576, 600), (1, 640, 333)):
@@ -501,6 +502,12 @@ def test_slabs_split_by_columns_for_many_threads_change_no_result():
             cpu_kernels.set_threads(n_threads)
             assert cpu_kernels.threads() == n_threads
             results[n_threads] = [[np.asarray(y) for y in fn()] for fn in cases]
+        if os.path.isdir("/proc/self/task"):  # more threads asked for than the cores: no new ones per call
+            cpu_kernels.set_threads(16)
+            before = len(os.listdir("/proc/self/task"))
+            for _ in range(40):
+                jax.block_until_ready(cases[0]())
+            assert len(os.listdir("/proc/self/task")) <= before + 2
     finally:
         cpu_kernels.set_threads(None)
     assert cpu_kernels.threads() is None

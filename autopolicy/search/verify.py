@@ -383,8 +383,8 @@ def unsettled(ctx: Context, e2e: EndToEnd, float32: Configuration, others: list[
     if not float32.excluded:
         timed = [c for c in timed if not _clearly_slower(ctx, e2e, c, float32)]
     if e2e.rounds_together([float32] + timed) < MIN_PAIRED_ROUNDS:
-        # Every pair gets an interval first: decide may compare any two (a map with the uniform
-        # policy it challenges), and two configurations decided at once would share no more rounds.
+        # Every pair gets an interval first: decide may compare any two of these (a map with the
+        # uniform policy it challenges), and two decided at once would share no more rounds.
         return [float32] + timed
     open_ = [c for c in timed if e2e.speedup(c, float32).straddles(ctx.min_speedup)]
     return [float32] + open_ if open_ else []
@@ -401,7 +401,8 @@ def choose(ctx: Context, latency: LatencyProfile, tried: list[Configuration], un
            models: Models, e2e: EndToEnd) -> tuple[Configuration, list[Configuration], int, list[str]]:
     """Times every configuration together (paired rounds in steps of half the repeats, up to
     twice the repeats; after each step only float32 and the configurations whose speed-up over
-    it is not yet clearly on one side of the margin, until none is: see :func:`unsettled`),
+    it is not yet clearly on one side of the margin, until none is, and from the first step
+    none that the calibration rounds already put clearly below it: see :func:`unsettled`),
     scores the uniform policies that could matter, and decides with confidence (:func:`decide`).
 
     Returns the winner, every configuration (maps, then uniform policies, with their

@@ -122,6 +122,10 @@ std::atomic<Helpers*> g_helpers{nullptr};
 void forget_helpers_in_child() { g_helpers.store(nullptr); }
 
 Helpers* helpers_for(int wanted) {
+  // Never more helpers than the cores but the caller's: a call split for more threads than that
+  // (set_threads_override) shares its tasks among those there are, and asks for no new pool.
+  static const int most = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) - 1);
+  wanted = std::min(wanted, most);
   Helpers* h = g_helpers.load();
   if (h != nullptr && (h->count() >= wanted || h->refused())) return h;
   std::lock_guard<std::mutex> hold(g_make);
@@ -130,8 +134,7 @@ Helpers* helpers_for(int wanted) {
   static const bool registered = pthread_atfork(nullptr, nullptr, forget_helpers_in_child) == 0;
   (void)registered;
   // A new pool (more threads wanted); the old one is never freed: its threads may still hold it.
-  const int most = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) - 1);
-  h = new Helpers(std::min(std::max(wanted, h != nullptr ? h->count() : 0), most));
+  h = new Helpers(std::max(wanted, h != nullptr ? h->count() : 0));
   g_helpers.store(h);
   return h;
 }
