@@ -3,6 +3,7 @@ calibrated latency model and the noise verdict, on synthetic timings (no machine
 what can never be chosen, end to end on tiny models: a configuration over the memory budget, or
 one that fails to build, run or be scored."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -542,6 +543,44 @@ def test_a_fresh_group_after_a_cached_one_may_take_extra_rounds():
     later.time_until(configs + [new_map], 10, 5, lambda: [], "final")  # its own map: timed afresh
     assert not later.from_cache and later.more([configs[0], new_map], 3)
     assert later.rounds_together([configs[0], new_map]) == 8
+
+
+def test_a_group_whose_kernels_changed_on_some_maps_times_only_those_again():
+    # A later run's profile chose another float8 kernel for layer "a": the calibration rounds of
+    # float32 and int8 are kept, and float8 is timed again with float32 (the reference).
+    from autopolicy.search.cache import MeasurementCache
+    from autopolicy.search.endtoend import EndToEnd, config_key
+
+    def uniform(name):
+        config = _config(f"uniform {name}", "uniform", 1.0)
+        return dataclasses.replace(config, assignment={"a": name, "b": name})
+
+    configs = [uniform("float32"), uniform("int8"), uniform("float8")]
+    cache = MeasurementCache(None)
+    timed = []
+
+    def run(kernels):
+        e2e = EndToEnd(None, {}, cache, "fingerprint", "digest", [[1, 4]], kernels=kernels)
+
+        def fake_time(todo, rounds):
+            timed.append(([c.name for c in todo], rounds))
+            e2e.rounds += [{e2e.key_of(c): 1.0 for c in todo} for _ in range(rounds)]
+
+        e2e._time = fake_time
+        e2e.time_group(configs, 5, "calibration")
+        return e2e
+
+    first = run({"a": {"int8": "cpu_ffi", "float8": "emulated"}})
+    assert timed == [(["uniform float32", "uniform int8", "uniform float8"], 5)]
+    assert first.key_of(configs[0]) == config_key(configs[0])  # float32 runs no chosen kernel
+    assert first.key_of(configs[1]) != config_key(configs[1])
+    later = run({"a": {"int8": "cpu_ffi", "float8": "fp8_dot"}})
+    assert timed[1:] == [(["uniform float32", "uniform float8"], 5)]
+    assert len(later.samples(configs[1])) == 5 and len(later.samples(configs[0])) == 10
+    assert later.rounds_together(configs) == 0 and later.rounds_together([configs[0], configs[2]]) == 5
+    assert later.speedup(configs[1], configs[0]).rounds == 5
+    again = run({"a": {"int8": "cpu_ffi", "float8": "fp8_dot"}})  # the same choice: all from the cache
+    assert len(timed) == 2 and again.from_cache and len(again.rounds) == 10
 
 
 def test_time_until_times_what_pending_names_after_each_step():

@@ -37,8 +37,12 @@ class EndToEnd:
     """
 
     def __init__(self, adapter: Any, models: dict, cache: MeasurementCache, fingerprint: str, digest: str,
-                 shapes: list, step_carry: Callable[[tuple, Any], tuple] | None = None):
+                 shapes: list, step_carry: Callable[[tuple, Any], tuple] | None = None,
+                 kernels: dict[str, dict[str, str]] | None = None):
         self.adapter = adapter
+        # {path: {policy: kernel}}: the kernel each layer runs under each policy (the profile's
+        # choice), part of each configuration's identity in the rounds (key_of).
+        self.kernels = kernels or {}
         self.step_carry = step_carry  # a stateful step's carry (timing.Candidate.carry)
         self.models = models
         self.cache = cache
@@ -52,16 +56,32 @@ class EndToEnd:
         self._cached_groups: set[str] = set()
         self.failed: dict[str, str] = {}  # config key -> why its program could not be built or compiled
 
+    def key_of(self, config: Configuration) -> str:
+        """``config``'s identity in the rounds: its :func:`config_key` and the kernel each of its
+        layers runs, so that a later run whose profile chose another kernel somewhere (a
+        float8 layer's, say) still finds the rounds of the configurations that do not run it."""
+        own = sorted((path, self.kernels[path][name]) for path, name in config.assignment.items()
+                     if name in self.kernels.get(path, {}))
+        return key(config_key(config), own) if own else config_key(config)
+
     def failure(self, config: Configuration) -> str:
         """Why ``config``'s model could not be timed ("" when it was)."""
-        return self.failed.get(config_key(config), "")
+        return self.failed.get(self.key_of(config), "")
 
     def time_group(self, configs: Sequence[Configuration], rounds: int, tag: str) -> str:
         """Times ``rounds`` rounds of ``configs`` together, or loads them from the cache.
 
+        Where the same maps were timed before with another kernel on some of them (a later run
+        whose profile chose differently there), the rounds of the unchanged ones are kept and
+        only the changed ones are timed, with the first configuration (the reference) for
+        their pairs.
+
         Returns the group's cache key (see :meth:`persist`)."""
-        keys = sorted({config_key(c) for c in configs})
+        keys = sorted({self.key_of(c) for c in configs})
         group = key(*self.prefix, tag, keys, rounds)
+        # The group these maps had last (looked up first, so that a rerun reuses this entry too).
+        latest = key(*self.prefix, tag, sorted({config_key(c) for c in configs}), rounds, "latest")
+        earlier = self.cache.lookup(latest)
         cached = self.cache.lookup(group)
         self._starts[group] = len(self.rounds)
         self.from_cache = cached is not None
@@ -69,8 +89,18 @@ class EndToEnd:
             self.rounds += [dict(r) for r in cached["rounds"]]
             self._cached_groups.add(group)
             return group
-        self._time(configs, rounds)
+        earlier_rounds = (self.cache.lookup(earlier["group"]) or {}).get("rounds") if earlier else None
+        todo = list(configs)
+        if earlier_rounds:
+            same = set(keys) & set().union(*(r.keys() for r in earlier_rounds))
+            if self.key_of(configs[0]) in same:
+                self.rounds += [{k: v for k, v in r.items() if k in same} for r in earlier_rounds]
+                todo = [configs[0]] + [c for c in configs if self.key_of(c) not in same]
+        if len(todo) > 1 or todo == list(configs):
+            self._time(todo, rounds)
         self.persist(group)
+        self.cache.put(latest, {"group": group}, share=True)
+        self.cache.flush()
         return group
 
     def time_until(self, configs: Sequence[Configuration], rounds: int, step: int,
@@ -83,7 +113,7 @@ class EndToEnd:
         timed again (none at all when it names none).
 
         Returns the group's cache key (see :meth:`persist`)."""
-        keys = sorted({config_key(c) for c in configs})
+        keys = sorted({self.key_of(c) for c in configs})
         group = key(*self.prefix, tag, keys, rounds, step, "narrowing")
         cached = self.cache.lookup(group)
         self._starts[group] = len(self.rounds)
@@ -110,7 +140,7 @@ class EndToEnd:
             self.cache.flush()
 
     def _time(self, configs: Sequence[Configuration], rounds: int) -> None:
-        names = {config_key(c): c for c in configs if config_key(c) not in self.failed}
+        names = {self.key_of(c): c for c in configs if self.key_of(c) not in self.failed}
         todo = {}
         for k, config in list(names.items()):
             if self.timer is not None and k in self.timer.runners:
@@ -154,12 +184,12 @@ class EndToEnd:
         return True
 
     def samples(self, config: Configuration) -> list[float]:
-        k = config_key(config)
+        k = self.key_of(config)
         return [r[k] for r in self.rounds if k in r]
 
     def rounds_together(self, configs: Sequence[Configuration]) -> int:
         """How many rounds timed every one of ``configs``."""
-        keys = {config_key(c) for c in configs}
+        keys = {self.key_of(c) for c in configs}
         return sum(1 for r in self.rounds if keys <= r.keys())
 
     def summary(self, config: Configuration) -> timing.Timing:
@@ -167,7 +197,7 @@ class EndToEnd:
 
     def speedup(self, candidate: Configuration, reference: Configuration) -> Speedup:
         """``candidate``'s speed-up over ``reference`` from the rounds that timed both."""
-        a, b = config_key(candidate), config_key(reference)
+        a, b = self.key_of(candidate), self.key_of(reference)
         if a == b:
             n = len(self.samples(candidate))
             return Speedup(1.0, 1.0, 1.0, n)

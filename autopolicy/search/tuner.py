@@ -294,9 +294,13 @@ def tune(
             with phase("calibration"):
                 uniform_configs = verify.uniforms(ctx, latency, models)
                 # Steady-state steps time differently: their rounds and decisions are their own.
+                # Each configuration's kernels are part of its identity in the rounds (key_of):
+                # a later run whose profile chose another kernel for some layer re-times only the
+                # configurations that run it.
                 e2e = EndToEnd(made, models, cache, fingerprint,
-                               key(ctx.digest, kernels) if step_carry is None else key(ctx.digest, kernels, "steps"),
-                               [_input_shape(a) for a in args], step_carry)
+                               ctx.digest if step_carry is None else key(ctx.digest, "steps"),
+                               [_input_shape(a) for a in args], step_carry,
+                               kernels if supports_kernels(made) else None)
                 # Half the repeats: enough medians for the latency model; decisions pair these
                 # rounds with the final ones (verify.choose).
                 e2e.time_group(uniform_configs, max(repeats // 2, 3), "calibration")
