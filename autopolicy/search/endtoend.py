@@ -2,7 +2,9 @@
 
 Every configuration is compiled once; rounds time all of them (or a pair) in a random order,
 so any two that shared a round compare paired. A group of rounds is cached under the set of
-maps it timed: a rerun of the same run reuses it and makes the same decision without timing.
+configurations it timed (each its map and the kernels its layers run): a rerun of the same run
+reuses it and makes the same decision without timing, and a later run whose kernel choice
+changed on some of them times only those again.
 """
 
 from __future__ import annotations
