@@ -190,6 +190,14 @@ class MeasurementCache:
             return self.entries[cache_key]
         return None
 
+    def peek(self, cache_key: str) -> Any:
+        """The cached value for ``cache_key`` (or None), neither counted nor copied from the
+        shared file into this run's: for an entry read only to reuse part of it, whose user
+        records what it used under a key of its own (a rerun then reads that one)."""
+        if cache_key in self.entries:
+            return self.entries[cache_key]
+        return self._shared.get(cache_key)
+
     def __enter__(self) -> "MeasurementCache":
         return self
 

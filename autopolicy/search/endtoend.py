@@ -91,7 +91,8 @@ class EndToEnd:
             self.rounds += [dict(r) for r in cached["rounds"]]
             self._cached_groups.add(group)
             return group
-        earlier_rounds = (self.cache.lookup(earlier["group"]) or {}).get("rounds") if earlier else None
+        # Peeked, not looked up: the new group records the rounds it keeps, and a rerun reads it.
+        earlier_rounds = (self.cache.peek(earlier["group"]) or {}).get("rounds") if earlier else None
         todo = list(configs)
         if earlier_rounds:
             same = set(keys) & set().union(*(r.keys() for r in earlier_rounds))
