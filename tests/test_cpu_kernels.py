@@ -673,6 +673,8 @@ def test_the_device_command_names_the_cpu_and_kernels(capsys):
     expected = (f"cpu kernels: built ({os.path.basename(cpu_kernels.library_path())}); paths this CPU runs: "
                 if cpu_kernels.AVAILABLE else "cpu kernels: not available (")
     assert out[3].startswith(expected)
+    if cpu_kernels.AVAILABLE:
+        assert out[3].endswith(f"; in use: {cpu_kernels.path()}; threads a call splits for: as many as XLA's pool has")
     if cpu_weight_only.AVAILABLE:  # then one more line: the weight-only kernel's variant
         assert out.pop(4) == f"weight-only (GPTQ/AWQ) kernel: {cpu_weight_only.variant()} variant"
     assert out[5].startswith("int4 kernels timed by the search here: xla") and "(default without a measurement: xla)" in out[5]
@@ -744,6 +746,14 @@ def test_the_tuners_fingerprint_names_the_kernel_path_and_build(path_restored):
     cpu_kernels.set_path("portable")
     assert hardware.detect()["cpu_kernels"]["path"] == "portable"
     assert hardware.fingerprint() != hardware.fingerprint(info)
+    cpu_kernels.set_path(PATHS[0])
+    try:  # a thread count set for the calls times them otherwise: a fingerprint of its own
+        cpu_kernels.set_threads(1)
+        assert hardware.detect()["cpu_kernels"]["threads"] == 1
+        assert hardware.fingerprint() != hardware.fingerprint(info)
+    finally:
+        cpu_kernels.set_threads(None)
+    assert hardware.fingerprint() == hardware.fingerprint(info)
 
 
 def _exported_text(fn, platform, *args):

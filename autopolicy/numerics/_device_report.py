@@ -26,8 +26,11 @@ def device_report() -> str:
         f"cpu features: {', '.join(device.cpu_features) or 'none of those autopolicy reads'}",
     ]
     if cpu_kernels.AVAILABLE:
+        threads = cpu_kernels.threads()
+        split = "as many as XLA's pool has" if threads is None else f"{threads} (AUTOPOLICY_CPU_THREADS or set_threads)"
         lines.append(f"cpu kernels: built ({os.path.basename(cpu_kernels.library_path())}); paths this CPU "
-                     f"runs: {', '.join(cpu_kernels.supported_paths())}; in use: {cpu_kernels.path()}")
+                     f"runs: {', '.join(cpu_kernels.supported_paths())}; in use: {cpu_kernels.path()}; "
+                     f"threads a call splits for: {split}")
         if cpu_weight_only.AVAILABLE:
             lines.append(f"weight-only (GPTQ/AWQ) kernel: {cpu_weight_only.variant()} variant")
     else:

@@ -92,9 +92,13 @@ def detect() -> dict[str, Any]:
         from autopolicy.numerics import cpu_kernels  # pylint: disable=import-outside-toplevel
 
         # Which C++ kernels run (the path in use, AUTOPOLICY_CPU_PATH included) and which build of
-        # them: timings of another build or path are not this one's.
-        info["cpu_kernels"] = ({"path": cpu_kernels.path(), "build": cpu_kernels.build_id()}
-                               if cpu_kernels.AVAILABLE else None)
+        # them, and the threads a call splits for where set (AUTOPOLICY_CPU_THREADS): timings of
+        # another build, path or thread count are not this one's.
+        info["cpu_kernels"] = None
+        if cpu_kernels.AVAILABLE:
+            info["cpu_kernels"] = {"path": cpu_kernels.path(), "build": cpu_kernels.build_id()}
+            if cpu_kernels.threads() is not None:
+                info["cpu_kernels"]["threads"] = cpu_kernels.threads()
     capability = getattr(device, "compute_capability", None)
     if capability is not None:
         info["compute_capability"] = str(capability)
