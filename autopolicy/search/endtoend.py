@@ -93,17 +93,15 @@ class EndToEnd:
             return group
         # Peeked, not looked up: the new group records the rounds it keeps, and a rerun reads it.
         earlier_rounds = (self.cache.peek(earlier["group"]) or {}).get("rounds") if earlier else None
+        same = set(keys) & set().union(*(r.keys() for r in earlier_rounds)) if earlier_rounds else set()
         todo = list(configs)
-        if earlier_rounds:
-            same = set(keys) & set().union(*(r.keys() for r in earlier_rounds))
-            if self.key_of(configs[0]) in same:
-                self.rounds += [{k: v for k, v in r.items() if k in same} for r in earlier_rounds]
-                todo = [configs[0]] + [c for c in configs if self.key_of(c) not in same]
-        if len(todo) > 1 or todo == list(configs):
-            self._time(todo, rounds)
+        if self.key_of(configs[0]) in same:  # the reference's rounds pair the kept ones
+            self.rounds += [{k: v for k, v in r.items() if k in same} for r in earlier_rounds]
+            todo = [c for c in configs if self.key_of(c) not in same]
+        if todo:
+            self._time(todo if todo == list(configs) else [configs[0]] + todo, rounds)
+        self.cache.put(latest, {"group": group}, share=True)  # written with the group (persist flushes)
         self.persist(group)
-        self.cache.put(latest, {"group": group}, share=True)
-        self.cache.flush()
         return group
 
     def time_until(self, configs: Sequence[Configuration], rounds: int, step: int,

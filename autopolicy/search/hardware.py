@@ -96,9 +96,9 @@ def detect() -> dict[str, Any]:
         # another build, path or thread count are not this one's.
         info["cpu_kernels"] = None
         if cpu_kernels.AVAILABLE:
-            info["cpu_kernels"] = {"path": cpu_kernels.path(), "build": cpu_kernels.build_id()}
-            if cpu_kernels.threads() is not None:
-                info["cpu_kernels"]["threads"] = cpu_kernels.threads()
+            threads = cpu_kernels.threads()
+            info["cpu_kernels"] = {"path": cpu_kernels.path(), "build": cpu_kernels.build_id(),
+                                   **({} if threads is None else {"threads": threads})}
     capability = getattr(device, "compute_capability", None)
     if capability is not None:
         info["compute_capability"] = str(capability)

@@ -143,11 +143,12 @@ int64_t call_threads(int64_t pool_threads) {
 
 bool path_supported(const char* name) { return by_name(name) != nullptr && cpu_has(name); }
 
-std::string supported_path_names() {
+std::string path_refusal(const std::string& name) {
   std::string names;
-  for (const char* name : {"portable", "avx2", "avx_vnni", "avx512_vnni"})
-    if (path_supported(name)) names += std::string(names.empty() ? "'" : ", '") + name + "'";
-  return names;
+  for (const char* supported : {"portable", "avx2", "avx_vnni", "avx512_vnni"})
+    if (path_supported(supported)) names += std::string(names.empty() ? "'" : ", '") + supported + "'";
+  return "path '" + name + "' is not one this CPU runs; it runs " + names + " (or '' for the one in use, '" +
+         current_path().name + "')";
 }
 
 const Path* path_named(const std::string& name) {

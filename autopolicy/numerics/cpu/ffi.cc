@@ -253,8 +253,7 @@ void int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
 
 // The error of a call naming a path this CPU does not run (or no path at all).
 ffi::Error unknown_path(const char* what, std::string_view name) {
-  return bad(std::string(what) + ": path '" + std::string(name) + "' is not one this CPU runs; it runs " +
-             supported_path_names() + " (or '' for the one in use, '" + current_path().name + "')");
+  return bad(std::string(what) + ": " + path_refusal(std::string(name)));
 }
 
 ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w, std::string_view path_name,

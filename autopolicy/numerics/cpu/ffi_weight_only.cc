@@ -62,9 +62,7 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   // 256-bit halves, the AVX2 kernel ran a SmolLM2-135M gptq/8 decode step at 2.99-3.11x float32,
   // the AVX-512 one at 1.91-1.95x (experiments/smollm2_cpu_paths.py), so both are tactics.
   const Path* path = path_named(std::string(path_name));
-  if (path == nullptr)
-    return invalid("path '" + std::string(path_name) + "' is not one this CPU runs; it runs " +
-                   supported_path_names() + " (or '' for the one in use, '" + current_path().name + "')");
+  if (path == nullptr) return invalid(path_refusal(std::string(path_name)));
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), zd = zero.dimensions();
   auto gd = g_idx.dimensions();
   if (xd.size() != 2) return invalid("x must be (M, K); its rank is " + std::to_string(xd.size()));

@@ -215,8 +215,9 @@ const Path& current_path();
 bool set_path(const char* name);
 // Whether the CPU supports a path by name.
 bool path_supported(const char* name);
-// The paths the CPU supports, the reference first, quoted and comma-separated (for error messages).
-std::string supported_path_names();
+// The error text of a call naming a path this CPU does not run: the paths it runs, the reference
+// first, and the one in use.
+std::string path_refusal(const std::string& name);
 // The path a call names: the current one for an empty name, else the named one where the CPU
 // supports it; null otherwise (the call fails naming it).
 const Path* path_named(const std::string& name);
