@@ -592,6 +592,121 @@ def test_the_fused_calls_name_bad_operands():
         cpu_kernels.int4_dense(x, jnp.ones((3, 3), jnp.uint8), scale, 4)
 
 
+# --- grouped dense calls: several products of one x in one call ---------------------------------
+
+
+def _group_operands(k, widths, block, seed):
+    """Per width: int8 (kernel, scale) with the int8 extremes, and packed int4 (kernel, scale)."""
+    rng = np.random.default_rng(seed)
+    groups = 1 if block == "channel" else -(-k // block)
+    int8s = [(jnp.asarray(rng.choice(np.array([-128, 127, 1, -3], np.int8), (k, n))),
+              jnp.asarray(rng.uniform(1e-3, 0.1, (n,)).astype(np.float32))) for n in widths]
+    int4s = [(jnp.asarray(rng.integers(0, 256, ((k + 1) // 2, n)).astype(np.uint8)),
+              jnp.asarray(rng.uniform(1e-3, 0.1, (groups, n)).astype(np.float32))) for n in widths]
+    return int8s, int4s
+
+
+@functools.cache
+def _group_programs(block, dtype):
+    """(grouped, one call each) programs for int8 and int4 products of one x."""
+    def grouped(x, int8s, int4s):
+        b = x.shape[1] if block == "channel" else block
+        return (cpu_kernels.int8_dense_group(x, int8s, out_dtype=dtype),
+                cpu_kernels.int4_dense_group(x, int4s, b, out_dtype=dtype))
+
+    def separate(x, int8s, int4s):
+        b = x.shape[1] if block == "channel" else block
+        return (tuple(cpu_kernels.int8_dense(x, w, s, out_dtype=dtype) for w, s in int8s),
+                tuple(cpu_kernels.int4_dense(x, w, s, b, out_dtype=dtype) for w, s in int4s))
+
+    return jax.jit(grouped), jax.jit(separate)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rows,k,widths", [(1, 576, (576, 192, 192)), (2, 577, (45, 300)), (7, 96, (33, 17, 64)),
+                                           (20, 130, (200, 24))])  # 20 rows: the GEMMs where the path has them
+@pytest.mark.parametrize("block", ["channel", 32, 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_grouped_call_equals_one_call_per_product(path, rows, k, widths, block, dtype, path_restored):
+    """Bit for bit, int8 (its extremes) and int4 (every nibble), on each path, also split for 16
+    threads (ranges over every product, more of them than the cores); an adversarial x (ties of
+    the rounding, a zero last row) above one row."""
+    cpu_kernels.set_path(path)
+    x = jnp.asarray(_float_input(rows, k, rows + k, adversarial=rows > 1)).astype(dtype)
+    int8s, int4s = _group_operands(k, widths, block, seed=rows * k)
+    grouped, separate = _group_programs(block, dtype)
+    expected = separate(x, int8s, int4s)
+    try:
+        for threads in (None, 16):
+            cpu_kernels.set_threads(threads)
+            got = grouped(x, int8s, int4s)
+            for mode_got, mode_expected in zip(got, expected, strict=True):
+                for y, e, n in zip(mode_got, mode_expected, widths, strict=True):
+                    assert y.shape == (rows, n) and y.dtype == jnp.dtype(dtype)
+                    assert np.abs(np.asarray(e, np.float32)).max() > 0
+                    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(e, np.float32))
+    finally:
+        cpu_kernels.set_threads(None)
+
+
+@needs_kernels
+def test_grouped_calls_name_bad_operands():
+    x = jnp.ones((2, 4))
+    q, s = jnp.ones((4, 3), jnp.int8), jnp.ones((3,))
+    with pytest.raises(ValueError, match=r"int8_dense_group: needs at least one \(kernel, scale\) pair. Received none"):
+        cpu_kernels.int8_dense_group(x, [])
+    with pytest.raises(ValueError, match=r"int8_dense_group: kernel 1 must be \(4, N\) int8. Received: int8\[5, 3\]"):
+        cpu_kernels.int8_dense_group(x, [(q, s), (jnp.ones((5, 3), jnp.int8), s)])
+    with pytest.raises(ValueError, match=r"the scale of kernel 0 must be float32 with 3 values. Received: float32\[4\]"):
+        cpu_kernels.int8_dense_group(x, [(q, jnp.ones((4,)))])
+    with pytest.raises(ValueError, match=r"int4_dense_group: x must be a 2-D array of one of \('float32', 'bfloat16'\)"):
+        cpu_kernels.int4_dense_group(x.astype(jnp.float16), [(jnp.ones((2, 3), jnp.uint8), jnp.ones((1, 3)))], 4)
+    with pytest.raises(ValueError, match=r"int4_dense_group: block must be in \[1, 4\]. Received: block=0"):
+        cpu_kernels.int4_dense_group(x, [(jnp.ones((2, 3), jnp.uint8), jnp.ones((1, 3)))], 0)
+    with pytest.raises(ValueError, match=r"int4_dense_group: the scale of kernel 1 must be float32 \(2, 3\). "
+                                         r"Received: float32\[1, 3\]"):
+        cpu_kernels.int4_dense_group(x, [(jnp.ones((2, 3), jnp.uint8), jnp.ones((2, 3)))] * 1
+                                     + [(jnp.ones((2, 3), jnp.uint8), jnp.ones((1, 3)))], 2)
+    # The target itself checks too (called directly): a kernel without its scale.
+    call = jax.ffi.ffi_call("autopolicy_int8_dense_group", [jax.ShapeDtypeStruct((2, 3), jnp.float32)])
+    with pytest.raises(Exception, match=r"autopolicy int8 dense group: needs a kernel and a scale per output; it has "
+                                        r"1 operands after x and 1 outputs"):
+        jax.block_until_ready(call(x, q, path=""))
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_grouped_products_have_the_layers_gradients_and_lower_to_xla_off_a_cpu(mode):
+    from autopolicy.numerics import grouped  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((3, 40)).astype(np.float32))
+    ws = [jnp.asarray(rng.standard_normal((40, n)).astype(np.float32)) for n in (24, 8)]
+    if mode == "int8":
+        layout, mats = (), [int8._quantize_kernel(w, (0,), True, jnp.dtype(jnp.float32)) for w in ws]  # pylint: disable=protected-access
+    else:
+        layout, mats = (8,), [int4._quantize_kernel(w, (0,), 8, jnp.dtype(jnp.float32)) for w in ws]  # pylint: disable=protected-access
+    fn = int8.einsum_kernel if mode == "int8" else int4.einsum_kernel
+
+    def loss(a, group):
+        if group:
+            ys = grouped.grouped_products(mode, layout, jnp.float32, "cpu_ffi", a, mats)
+        else:
+            ys = [fn("mk,kn->mn", a, m, layout, jnp.float32, kernel="cpu_ffi") for m in mats]
+        return sum(jnp.sum(jnp.sin(y)) for y in ys)
+
+    assert float(loss(x, True)) == float(loss(x, False))
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss)(x, True)), np.asarray(jax.grad(loss)(x, False)))
+    program = functools.partial(grouped.grouped_products, mode, layout, jnp.float32, "cpu_ffi")
+    assert f"custom_call @autopolicy_{mode}_dense_group" in _exported_text(lambda a: program(a, mats), "cpu", x)
+    on_gpu = _exported_text(lambda a: program(a, mats), "cuda", x)
+    assert "custom_call @autopolicy_" not in on_gpu and "stablehlo.dot_general" in on_gpu
+    with pytest.raises(ValueError, match=r"grouped_products: needs a mode of \('int8', 'int4'\), an FFI kernel .* "
+                                         r"Received: mode='int8', kernel='s8s8'"):
+        grouped.grouped_products("int8", (), jnp.float32, "s8s8", x, mats)
+
+
 @needs_kernels
 def test_int4_gradients_flow_through_the_xla_path():
     rng = np.random.default_rng(3)
@@ -761,7 +876,8 @@ def _exported_text(fn, platform, *args):
     from jax import export  # pylint: disable=import-outside-toplevel
 
     checks = [export.DisabledSafetyCheck.custom_call(f"autopolicy_{op}")
-              for op in ("int8_matmul", "int8_dense", "int4_matmul", "int4_dense", "weight_only_matmul")]
+              for op in ("int8_matmul", "int8_dense", "int4_matmul", "int4_dense", "weight_only_matmul",
+                         "int8_dense_group", "int4_dense_group")]
     return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args).mlir_module()
 
 

@@ -202,3 +202,28 @@ def test_gelu_activations(name, reference):
     # The two differ by up to ~5e-4 (near |x| = 2): each must match its own formula.
     other = ref.gelu_tanh if reference is ref.gelu else ref.gelu
     assert np.max(np.abs(got - other(x))) > 1e-4
+
+
+@pytest.mark.parametrize("policy", ["int8_from_float32", "int4/8_from_float32"])
+def test_self_attentions_projections_share_one_kernel_call_with_the_same_outputs(policy, monkeypatch):
+    """Self-attention's query, key and value (with their biases) on one FFI kernel are one grouped
+    call (AUTOPOLICY_GROUPED_PROJECTIONS=0: one each), with equal outputs bit for bit."""
+    from autopolicy.numerics import cpu_kernels  # pylint: disable=import-outside-toplevel
+
+    if not cpu_kernels.AVAILABLE or jax.default_backend() != "cpu":
+        pytest.skip("needs the CPU kernels and a CPU backend")
+    block = make_block(norm_first=True).with_dtype_policy(policy)
+    block = block.with_kernels({p: "cpu_ffi" for p, layer in block.layers_by_path().items()
+                                if layer.quantization_mode is not None})
+    x = jnp.asarray(gaussian((2, 8, DIM), seed=4))
+    outputs, programs = {}, {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("AUTOPOLICY_GROUPED_PROJECTIONS", env)
+        fn = jax.jit(lambda b, a: b(a, mask=MASK))  # traced afresh: the variable is read then
+        programs[env] = fn.lower(block, x).as_text()
+        outputs[env] = np.asarray(fn(block, x))
+    mode = policy[:4]
+    assert programs["1"].count(f"custom_call @autopolicy_{mode}_dense_group") == 1
+    assert "dense_group" not in programs["0"]
+    assert np.abs(outputs["1"]).max() > 0
+    np.testing.assert_array_equal(outputs["1"], outputs["0"])

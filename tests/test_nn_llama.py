@@ -460,6 +460,65 @@ def test_a_decode_step_runs_the_cpu_attention_kernel_and_equals_xla(small, monke
     np.testing.assert_allclose(outputs["0"], outputs["1"], rtol=1e-5, atol=1e-5)
 
 
+def _with_ffi_kernels(model, policy_map):
+    tuned = model.with_dtype_policy(policy_map)
+    return tuned.with_kernels({p: "cpu_ffi" for p, layer in tuned.layers_by_path().items()
+                               if layer.quantization_mode is not None and "cpu_ffi" in layer.kernel_choices()})
+
+
+@on_cpu_backend
+@pytest.mark.parametrize("case", ["uniform int4", "mixed"])
+def test_projections_sharing_an_input_run_as_one_kernel_call_with_the_same_logits(small, monkeypatch, case):
+    """q/k/v and gate/up on one FFI kernel with one quantized form are one grouped call per block
+    (AUTOPOLICY_GROUPED_PROJECTIONS=0: one call each); the prefill's and a decode step's logits
+    equal bit for bit. A mixed map groups only the layers that agree: the query int8 and the gate
+    int4 per channel leave key/value (int4) grouped and up (int4 in blocks of 8) alone."""
+    from autopolicy.numerics import cpu_kernels  # pylint: disable=import-outside-toplevel
+
+    if not cpu_kernels.AVAILABLE:
+        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+    if case == "uniform int4":
+        policy_map, groups = policies.DTypePolicyMap("int4_from_float32"), {"int4": 2 * SMALL.blocks, "int8": 0}
+    else:
+        layers = {}
+        for b in range(SMALL.blocks):
+            layers.update({f"tiny/block_{b}/attention/query": "int8_from_float32",
+                           f"tiny/block_{b}/attention/key": "int4_from_float32",
+                           f"tiny/block_{b}/attention/value": "int4_from_float32",
+                           f"tiny/block_{b}/mlp/gate": "int4_from_float32",
+                           f"tiny/block_{b}/mlp/up": "int4/8_from_float32"})
+        policy_map, groups = policies.DTypePolicyMap("float32", layers), {"int4": SMALL.blocks, "int8": 0}
+    model = _with_ffi_kernels(small, policy_map)
+    ids = jnp.array([[3, 17, 5, 39, 0, 8]], jnp.int32)
+    _, cache = generation.prefill(model, model.init_cache(1, 16), ids[:, :5])
+    outputs, programs = {}, {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("AUTOPOLICY_GROUPED_PROJECTIONS", env)
+        step = jax.jit(lambda m, c, x, s: m(x, start=s, cache=c))  # traced afresh: the variable is read then
+        args = (model, cache, ids[:, 5:6], jnp.asarray(5, jnp.int32))
+        programs[env] = step.lower(*args).as_text()
+        outputs[env] = (np.asarray(step(*args)[0]), np.asarray(jax.jit(lambda m, x: m(x))(model, ids)))
+    for mode, count in groups.items():
+        assert programs["1"].count(f"custom_call @autopolicy_{mode}_dense_group") == count
+    assert "dense_group" not in programs["0"]
+    assert np.abs(outputs["1"][0]).max() > 0
+    for grouped, alone in zip(outputs["1"], outputs["0"], strict=True):
+        np.testing.assert_array_equal(grouped, alone)
+
+
+def test_a_hook_sees_each_projection_called_on_its_own(small):
+    """The search's probes and calibration watch layers through call hooks: with one active, the
+    projections that would share a call are called one by one, each seen."""
+    from autopolicy.nn import _context  # pylint: disable=import-outside-toplevel
+
+    model = _with_ffi_kernels(small, policies.DTypePolicyMap("int4_from_float32"))
+    seen = []
+    with _context.call_hook(lambda layer, args, kwargs: seen.append(layer.path)):
+        model(jnp.array([[3, 17, 5]], jnp.int32))
+    for name in ("attention/query", "attention/key", "attention/value", "mlp/gate", "mlp/up"):
+        assert f"tiny/block_1/{name}" in seen
+
+
 def _decode_tune_args(small):
     ids = np.asarray([[3, 17, 5, 39, 0, 8, 21, 2]], np.int32)
     sample = (jnp.zeros((1, 1), jnp.int32), jnp.asarray(15, jnp.int32), small.init_cache(1, 16))

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from autopolicy.nn._grouping import call_on_shared_input
 from autopolicy.nn._module import Module
 from autopolicy.nn.activations import accumulation_dtype
 from autopolicy.nn.core import dropout
@@ -155,8 +156,9 @@ class MultiHeadAttention(Module):
 
     def call(self, query, value, key=None, attention_mask=None, mask=None):
         key = value if key is None else key
-        q = self.query_dense(query)
-        k = self.key_dense(key)
-        v = self.value_dense(value)
+        if query is key and key is value:  # self-attention: one kernel call where the policies agree
+            q, k, v = call_on_shared_input([self.query_dense, self.key_dense, self.value_dense], query)
+        else:
+            q, k, v = self.query_dense(query), self.key_dense(key), self.value_dense(value)
         attended = self.attention(q, k, v, attention_mask=attention_mask, mask=mask)
         return self.output_dense(attended)

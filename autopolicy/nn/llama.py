@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from autopolicy.nn._grouping import call_on_shared_input
 from autopolicy.nn._module import Module
 from autopolicy.nn.activations import accumulation_dtype
 from autopolicy.nn.dense import Dense, EinsumDense
@@ -158,9 +159,9 @@ class LlamaAttention(Module):
         batch, time = x.shape[0], x.shape[1]
         offset = jnp.zeros((), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
         positions = offset + jnp.arange(time, dtype=jnp.int32)
-        q = rotary(self.query(x), positions, self.rope_base)
-        k = rotary(self.key(x), positions, self.rope_base)
-        v = self.value(x)
+        # One call of the CPU kernels where the three projections' policies and kernels agree.
+        q, k, v = call_on_shared_input([self.query, self.key, self.value], x)
+        q, k = rotary(q, positions, self.rope_base), rotary(k, positions, self.rope_base)
         # Keys are kept (batch, kv_heads, head_dim, length) and values (batch, kv_heads, length,
         # head_dim): a decode step's sums below then run along rows of both.
         if cache is None:
@@ -254,7 +255,8 @@ class LlamaMLP(Module):
         self.down = Dense(x.shape[-1], use_bias=False, name="down")
 
     def call(self, x: jax.Array) -> jax.Array:
-        return self.down(self.cast(jax.nn.silu(self.gate(x))) * self.cast(self.up(x)))
+        gate, up = call_on_shared_input([self.gate, self.up], x)
+        return self.down(self.cast(jax.nn.silu(gate)) * self.cast(up))
 
 
 class LlamaBlock(Module):

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
            "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "serial_max_bytes",
-           "set_serial_max_bytes", "spin_us", "set_spin_us", "threads", "set_threads", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "decode_attention", "DENSE_DTYPES",
+           "set_serial_max_bytes", "spin_us", "set_spin_us", "threads", "set_threads", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "int8_dense_group", "int4_dense_group", "decode_attention", "DENSE_DTYPES",
            "notice_once", "FFI_KERNELS", "kernel_path", "kernel_distinct_on"]
 
 #: Set to 1 to leave the kernels out (as on a machine without a compiler).
@@ -47,6 +47,7 @@ DISABLE_ENV = "AUTOPOLICY_DISABLE_CPU_KERNELS"
 PATHS = ("avx512_vnni", "avx_vnni", "avx2", "portable")
 _INT8_TARGET, _INT4_TARGET = "autopolicy_int8_matmul", "autopolicy_int4_matmul"
 _INT8_DENSE, _INT4_DENSE = "autopolicy_int8_dense", "autopolicy_int4_dense"
+_INT8_GROUP, _INT4_GROUP = "autopolicy_int8_dense_group", "autopolicy_int4_dense_group"
 _DECODE_ATTENTION = "autopolicy_decode_attention"
 #: The float dtypes :func:`int8_dense` and :func:`int4_dense` take and return.
 DENSE_DTYPES = ("float32", "bfloat16")
@@ -96,6 +97,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(file)
         for target, symbol in ((_INT8_TARGET, lib.AutopolicyInt8Matmul), (_INT4_TARGET, lib.AutopolicyInt4Matmul),
                                (_INT8_DENSE, lib.AutopolicyInt8Dense), (_INT4_DENSE, lib.AutopolicyInt4Dense),
+                               (_INT8_GROUP, lib.AutopolicyInt8DenseGroup), (_INT4_GROUP, lib.AutopolicyInt4DenseGroup),
                                (_DECODE_ATTENTION, lib.AutopolicyDecodeAttention)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
         lib.autopolicy_cpu_path.restype = ctypes.c_char_p
@@ -425,6 +427,75 @@ def int4_dense(x: jax.Array, packed: jax.Array, scale: jax.Array, block: int, bi
     bias, out = _dense_operands("int4_dense", x, n, bias, out_dtype)
     _lib()
     return jax.ffi.ffi_call(_INT4_DENSE, out)(x, packed, scale, bias, block=int(block), path=_path_attr(simd_path))
+
+
+def _group_dtype(what: str, x: jax.Array, out_dtype) -> jnp.dtype:
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if x.ndim != 2 or x.dtype.name not in DENSE_DTYPES:
+        raise ValueError(f"{what}: x must be a 2-D array of one of {DENSE_DTYPES}. Received: {x.dtype}{list(x.shape)}")
+    if out_dtype.name not in DENSE_DTYPES:
+        raise ValueError(f"{what}: out_dtype must be one of {DENSE_DTYPES}. Received: out_dtype={out_dtype.name!r}")
+    return out_dtype
+
+
+def int8_dense_group(x: jax.Array, kernels, out_dtype=None, simd_path: str = "") -> tuple[jax.Array, ...]:
+    """Several int8 layers of one input in one call: for each ``(w, w_scale)`` of ``kernels`` (int8
+    ``(K, N_i)`` and float32 ``N_i`` values), what :func:`int8_dense` returns without a bias, equal
+    to it bit for bit. ``x`` is quantized once, and the threads share one set of tasks over every
+    product's columns: a decoder's query, key and value projections (or its gate and up) cost one
+    call instead of three (or two).
+
+    Raises:
+      ValueError: for no kernels, or operands as :func:`int8_dense` refuses them (naming which).
+    """
+    out_dtype = _group_dtype("int8_dense_group", x, out_dtype)
+    kernels = tuple(kernels)
+    if not kernels:
+        raise ValueError("int8_dense_group: needs at least one (kernel, scale) pair. Received none.")
+    operands, outs = [], []
+    for i, (w, w_scale) in enumerate(kernels):
+        if w.ndim != 2 or w.dtype != jnp.int8 or w.shape[0] != x.shape[1]:
+            raise ValueError(f"int8_dense_group: kernel {i} must be ({x.shape[1]}, N) int8. Received: "
+                             f"{w.dtype}{list(w.shape)}")
+        if w_scale.size != w.shape[1] or w_scale.dtype != jnp.float32:
+            raise ValueError(f"int8_dense_group: the scale of kernel {i} must be float32 with {w.shape[1]} values. "
+                             f"Received: {w_scale.dtype}{list(w_scale.shape)}")
+        operands += [w, w_scale.reshape((w.shape[1],))]
+        outs.append(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), out_dtype))
+    _lib()
+    return tuple(jax.ffi.ffi_call(_INT8_GROUP, outs)(x, *operands, path=_path_attr(simd_path)))
+
+
+def int4_dense_group(x: jax.Array, kernels, block: int, out_dtype=None, simd_path: str = "") -> tuple[jax.Array, ...]:
+    """Several int4 layers of one input in one call: for each ``(packed, scale)`` of ``kernels``
+    (as :func:`int4_dense` takes them, all with blocks of ``block`` rows), what :func:`int4_dense`
+    returns without a bias, equal to it bit for bit; one call, as :func:`int8_dense_group`.
+
+    Raises:
+      ValueError: for no kernels, a block outside ``[1, K]``, or operands as :func:`int4_dense`
+        refuses them (naming which).
+    """
+    out_dtype = _group_dtype("int4_dense_group", x, out_dtype)
+    kernels = tuple(kernels)
+    if not kernels:
+        raise ValueError("int4_dense_group: needs at least one (packed kernel, scale) pair. Received none.")
+    k = x.shape[1]
+    if not 1 <= block <= k:
+        raise ValueError(f"int4_dense_group: block must be in [1, {k}]. Received: block={block}")
+    groups = -(-k // block)
+    operands, outs = [], []
+    for i, (packed, scale) in enumerate(kernels):
+        if packed.ndim != 2 or packed.dtype != jnp.uint8 or packed.shape[0] != (k + 1) // 2:
+            raise ValueError(f"int4_dense_group: kernel {i} must be ({(k + 1) // 2}, N) uint8 (packed int4 for "
+                             f"K = {k}). Received: {packed.dtype}{list(packed.shape)}")
+        n = packed.shape[1]
+        if tuple(scale.shape) != (groups, n) or scale.dtype != jnp.float32:
+            raise ValueError(f"int4_dense_group: the scale of kernel {i} must be float32 ({groups}, {n}). "
+                             f"Received: {scale.dtype}{list(scale.shape)}")
+        operands += [packed, scale]
+        outs.append(jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
+    _lib()
+    return tuple(jax.ffi.ffi_call(_INT4_GROUP, outs)(x, *operands, block=int(block), path=_path_attr(simd_path)))
 
 
 def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, position: jax.Array) -> jax.Array:

@@ -302,8 +302,8 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ff
 bool is_float(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
 // Checks the float operands of a fused call: x (M, K), out (M, N), bias (N,) in out's dtype or
-// empty; float32 or bfloat16 each.
-ffi::Error check_floats(const char* what, const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias,
+// empty (or none: null); float32 or bfloat16 each.
+ffi::Error check_floats(const char* what, const ffi::AnyBuffer& x, const ffi::AnyBuffer* bias,
                         ffi::Result<ffi::AnyBuffer>& out, int64_t n) {
   auto xd = x.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || !is_float(x.element_type()))
@@ -311,10 +311,10 @@ ffi::Error check_floats(const char* what, const ffi::AnyBuffer& x, const ffi::An
   if (od.size() != 2 || od[0] != xd[0] || od[1] != n || !is_float(out->element_type()))
     return bad(std::string(what) + ": the output must be float32 or bfloat16 (" + std::to_string(xd[0]) + ", " +
                std::to_string(n) + "); it is " + dims_of(od));
-  const int64_t nb = static_cast<int64_t>(bias.element_count());
-  if (nb != 0 && (nb != n || bias.element_type() != out->element_type()))
+  const int64_t nb = bias == nullptr ? 0 : static_cast<int64_t>(bias->element_count());
+  if (nb != 0 && (nb != n || bias->element_type() != out->element_type()))
     return bad(std::string(what) + ": the bias must be empty or (N,) = (" + std::to_string(n) +
-               ",) in the output's dtype; it is " + dims_of(bias.dimensions()));
+               ",) in the output's dtype; it is " + dims_of(bias->dimensions()));
   return ffi::Error::Success();
 }
 
@@ -344,7 +344,7 @@ ffi::Error Int8DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   if (static_cast<int64_t>(w_scale.element_count()) != n)
     return bad(std::string(what) + ": the kernel scale must have N = " + std::to_string(n) + " values; it is " +
                dims_of(w_scale.dimensions()));
-  if (ffi::Error e = check_floats(what, x, bias, out, n); e.failure()) return e;
+  if (ffi::Error e = check_floats(what, x, &bias, out, n); e.failure()) return e;
   const QuantizedRows xq = quantize(x);
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
   // A float32 output holds the int32 sums until the rescale overwrites each in place.
@@ -370,7 +370,7 @@ ffi::Error Int4DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
     return bad(std::string(what) + ": x must be (M, K); it is " + dims_of(x.dimensions()));
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = w.dimensions().size() == 2 ? w.dimensions()[1] : 0;
   if (ffi::Error e = check_int4(what, k, w.dimensions(), scale.dimensions(), block); e.failure()) return e;
-  if (ffi::Error e = check_floats(what, x, bias, out, n); e.failure()) return e;
+  if (ffi::Error e = check_floats(what, x, &bias, out, n); e.failure()) return e;
   const QuantizedRows xq = quantize(x);
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
   std::vector<float> scratch(bf16 ? static_cast<size_t>(m * n) : 0);
@@ -382,6 +382,153 @@ ffi::Error Int4DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   parallel_columns(Runner{&pool, m * n <= kSerialEpilogue}, n, kColumnsPerTask,
                    [=](int64_t n0, int64_t n1) { rescale_int4(y, m, n, xs, b, bf16, n0, n1, o); });
   return ffi::Error::Success();
+}
+
+
+// --- the grouped dense calls: several products of one x in one call (a decoder's query, key and
+// value projections, or its gate and up), each as its fused dense call computes it, bit for bit.
+// One call quantizes x once and hands the threads one set of tasks over every product's columns:
+// on a 2-core Zen 4 EPYC (AVX-512 VNNI), SmolLM2-135M's int4 q/k/v at batch 1 ran 1.37-1.47x
+// faster as one call over their concatenated weights than as three, gate and up 1.29-1.41x
+// (24 copies of the weights cycled, so from L3 and memory as a decode step reads them).
+
+// One product of a grouped call: its weights (int8 (K, N) or packed int4 (ceil(K/2), N)), scales
+// (int8 (N,), int4 (G, N)), width, output and where its sums go before the rescale (the output
+// itself for float32, else scratch).
+struct Member {
+  const void* w;
+  const float* scale;
+  int64_t n;
+  void* out;
+  bool bf16;
+  void* sums;
+};
+
+// Checks a grouped call's operands (pairs of kernel and scale, one output each) and collects them.
+ffi::Error members_of(const char* what, bool int4, const ffi::AnyBuffer& x, const ffi::RemainingArgs& args,
+                      const ffi::RemainingRets& rets, int64_t block, std::vector<Member>& members) {
+  if (x.dimensions().size() != 2) return bad(std::string(what) + ": x must be (M, K); it is " + dims_of(x.dimensions()));
+  const int64_t k = x.dimensions()[1];
+  if (rets.size() < 1 || args.size() != 2 * rets.size())
+    return bad(std::string(what) + ": needs a kernel and a scale per output; it has " + std::to_string(args.size()) +
+               " operands after x and " + std::to_string(rets.size()) + " outputs");
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto w = args.get<ffi::AnyBuffer>(2 * i);
+    auto scale = args.get<ffi::AnyBuffer>(2 * i + 1);
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (w.has_error() || scale.has_error() || out.has_error())
+      return bad(std::string(what) + ": operand " + std::to_string(i) + " is not a buffer");
+    const std::string which = std::string(what) + " (product " + std::to_string(i) + ")";
+    auto wd = w.value().dimensions(), sd = scale.value().dimensions();
+    if (w.value().element_type() != (int4 ? ffi::DataType::U8 : ffi::DataType::S8) || wd.size() != 2)
+      return bad(which + ": the kernel must be a 2-D " + (int4 ? "uint8 (packed int4)" : "int8") + " array; it is " +
+                 dims_of(wd));
+    if (scale.value().element_type() != ffi::DataType::F32)
+      return bad(which + ": the scale must be float32");
+    const int64_t n = wd[1];
+    if (int4) {
+      if (ffi::Error e = check_int4(which.c_str(), k, wd, sd, block); e.failure()) return e;
+    } else {
+      if (wd[0] != k) return bad(which + ": the kernel must be (K, N) with K = " + std::to_string(k) + "; it is " + dims_of(wd));
+      if (static_cast<int64_t>(scale.value().element_count()) != n)
+        return bad(which + ": the kernel scale must have N = " + std::to_string(n) + " values; it is " + dims_of(sd));
+    }
+    ffi::Result<ffi::AnyBuffer> o = out.value();
+    if (ffi::Error e = check_floats(which.c_str(), x, nullptr, o, n); e.failure()) return e;
+    members.push_back(Member{w.value().untyped_data(), static_cast<const float*>(scale.value().untyped_data()), n,
+                             o->untyped_data(), o->element_type() == ffi::DataType::BF16, nullptr});
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedDense(ffi::ThreadPool& pool, const char* what, bool int4, const ffi::AnyBuffer& x,
+                        const ffi::RemainingArgs& args, int64_t block, std::string_view path_name,
+                        const ffi::RemainingRets& rets) {
+  const Path* path = path_named(std::string(path_name));
+  if (path == nullptr) return unknown_path(what, path_name);
+  std::vector<Member> members;
+  if (ffi::Error e = members_of(what, int4, x, args, rets, int4 ? block : 1, members); e.failure()) return e;
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
+  const QuantizedRows xq = quantize(x);
+  // bfloat16 outputs take their sums in scratch (int32 or float32, 4 bytes either way).
+  int64_t scratch_words = 0, total_n = 0, widest = 0;
+  for (const Member& p : members) {
+    scratch_words += p.bf16 ? m * p.n : 0;
+    total_n += p.n;
+    widest = std::max(widest, p.n);
+  }
+  std::vector<int32_t> scratch(static_cast<size_t>(scratch_words));
+  int64_t offset = 0;
+  for (Member& p : members) {
+    p.sums = p.bf16 ? static_cast<void*>(scratch.data() + offset) : p.out;
+    offset += p.bf16 ? m * p.n : 0;
+  }
+  const int64_t groups = int4 ? (k + block - 1) / block : 1;
+  const bool gemm = int4 ? path->int4_gemm != nullptr && (groups == 1 || block % path->gemm_x->k_group == 0) &&
+                               m >= gemm_min_rows(*path, true)
+                         : path->int8_gemm != nullptr && m >= gemm_min_rows(*path, false) && k > 0;
+  const float* xs = xq.scale.data();
+  if (gemm) {
+    // Many rows: each product as its own call takes it (the GEMM's tiles), one after another.
+    for (const Member& p : members) {
+      if (int4)
+        int4_product(pool, *path, xq.q.data(), m, k, static_cast<const uint8_t*>(p.w), p.n, block, p.scale,
+                     static_cast<float*>(p.sums));
+      else
+        int8_product(pool, *path, xq.q.data(), m, k, static_cast<const int8_t*>(p.w), p.n, static_cast<int32_t*>(p.sums));
+      const Member q = p;
+      parallel_columns(Runner{&pool, m * p.n <= kSerialEpilogue}, p.n, kColumnsPerTask, [=](int64_t n0, int64_t n1) {
+        if (int4)
+          rescale_int4(static_cast<const float*>(q.sums), m, q.n, xs, nullptr, q.bf16, n0, n1, q.out);
+        else
+          rescale_int8(static_cast<const int32_t*>(q.sums), m, q.n, xs, q.scale, nullptr, q.bf16, n0, n1, q.out);
+      });
+    }
+    return ffi::Error::Success();
+  }
+  // Few rows: the streaming kernels over column ranges of every product, as many ranges in all as
+  // threads (whole 64-column chunks, none across two products), claimed as threads come free;
+  // each range is rescaled by the thread that computed it.
+  const Runner run_on = runner_for(pool, m * total_n * (int4 ? (k + 1) / 2 : k));
+  const int64_t threads = run_on.threads();
+  const int64_t step = threads <= 1 ? widest : std::max<int64_t>(64, ((total_n + threads - 1) / threads + 63) / 64 * 64);
+  struct Range {
+    int64_t member, n0, n1;
+  };
+  std::vector<Range> ranges;
+  for (size_t i = 0; i < members.size(); ++i)
+    for (int64_t n0 = 0; n0 < members[i].n; n0 += step)
+      ranges.push_back(Range{static_cast<int64_t>(i), n0, std::min(members[i].n, n0 + step)});
+  const Member* mp = members.data();
+  const Range* rp = ranges.data();
+  const int8_t* xqp = xq.q.data();
+  const bool pairs_ok = groups == 1 || block % 2 == 0;
+  Int4Fn fn4 = pairs_ok ? path->int4 : int4_portable;
+  Int8Fn fn8 = path->int8;
+  parallel_tasks(run_on, static_cast<int64_t>(ranges.size()), [=](int64_t t) {
+    const Range r = rp[t];
+    const Member& p = mp[r.member];
+    if (int4) {
+      float* y = static_cast<float*>(p.sums);
+      fn4(xqp, m, k, static_cast<const uint8_t*>(p.w), p.n, block, p.scale, r.n0, r.n1, y);
+      rescale_int4(y, m, p.n, xs, nullptr, p.bf16, r.n0, r.n1, p.out);
+    } else {
+      int32_t* acc = static_cast<int32_t*>(p.sums);
+      fn8(xqp, m, k, static_cast<const int8_t*>(p.w), p.n, r.n0, r.n1, acc);
+      rescale_int8(acc, m, p.n, xs, p.scale, nullptr, p.bf16, r.n0, r.n1, p.out);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8GroupImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs args, std::string_view path_name,
+                         ffi::RemainingRets rets) {
+  return GroupedDense(pool, "autopolicy int8 dense group", false, x, args, 1, path_name, rets);
+}
+
+ffi::Error Int4GroupImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs args, int64_t block,
+                         std::string_view path_name, ffi::RemainingRets rets) {
+  return GroupedDense(pool, "autopolicy int4 dense group", true, x, args, block, path_name, rets);
 }
 
 }  // namespace
@@ -426,14 +573,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt4Dense, autopolicy_cpu::Int4DenseImpl
                                   .Attr<std::string_view>("path")
                                   .Ret<ffi::AnyBuffer>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt8DenseGroup, autopolicy_cpu::Int8GroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Attr<std::string_view>("path")
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyInt4DenseGroup, autopolicy_cpu::Int4GroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("block")
+                                  .Attr<std::string_view>("path")
+                                  .RemainingRets());
+
 // For ctypes: the path in use, forcing one (tests), and which the CPU supports.
 extern "C" {
 const char* autopolicy_cpu_path() { return autopolicy_cpu::current_path().name; }
 int autopolicy_cpu_set_path(const char* name) { return autopolicy_cpu::set_path(name) ? 1 : 0; }
 int autopolicy_cpu_path_supported(const char* name) { return autopolicy_cpu::path_supported(name) ? 1 : 0; }
 // 2: the int8 and int4 targets take a "path" attribute (a SIMD path by name; "": the one in use).
-// 3: the weight-only target takes it too.
-int autopolicy_cpu_ffi_version() { return 3; }
+// 3: the weight-only target takes it too. 4: the grouped dense targets exist.
+int autopolicy_cpu_ffi_version() { return 4; }
 int64_t autopolicy_cpu_gemm_min_rows(int int4) { return autopolicy_cpu::gemm_min_rows(int4 != 0); }
 void autopolicy_cpu_set_gemm_min_rows(int64_t rows) { autopolicy_cpu::set_gemm_min_rows(rows); }
 int64_t autopolicy_cpu_serial_max_bytes() { return autopolicy_cpu::serial_max_bytes(); }
