@@ -8,17 +8,20 @@
 //
 // Why: XLA ran these as two library fusions and seven small ops per block, about 60 us a block
 // at cache 256 on a 2-core Xeon VM (2.2 ms of an 11.6 ms int8 SmolLM2 decode step); this call
-// took about 43 us in the same place. Each cache row is read once for all the query heads of
-// its group: the key rows along the positions (head_dim outer), the value rows along head_dim
-// (positions outer), in plain loops the compiler vectorizes for the CPU's widest vectors
-// (AVX-512, AVX2 or baseline, chosen at run time). The exponentials are std::exp. One thread:
-// the call is bound by reading the caches from the last-level cache; a first split over two
-// threads (by head and half of the positions, then of head_dim, three hand-offs a call, its
-// loops left at the baseline ISA) measured slower, 51-56 us against 39-43 us a block for 30
-// blocks' caches in a chain.
+// took about 43 us in the same place. Each key row is read once for every query head of its
+// group (from L1 across heads where registers run short), each value row once for two or three
+// heads, in vectors of GCC's vector extensions for the CPU's widest registers (AVX-512, AVX2 or
+// the baseline's, as the SIMD path in use: set_path forces the baseline too), and the
+// exponentials vectorized (Cephes' expf; std::exp per element had been most of the time). On a
+// 2-core Zen 4 EPYC, a SmolLM2 block at cache 256 (30 blocks' caches in a chain) went from 42 to
+// 16 us (AVX-512), 45 to 23 us (AVX2). One thread: the call is bound by reading the caches from
+// the last-level cache; a first split over two threads (by head and half of the positions, then
+// of head_dim, three hand-offs a call, its loops left at the baseline ISA) measured slower, 51-56
+// us against 39-43 us a block for 30 blocks' caches in a chain.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -31,9 +34,11 @@ namespace autopolicy_cpu {
 namespace {
 
 // The head's logits for groups [0, groups) into `logits` (groups x length); k is (d, stride).
+// (logits rows `ld` apart: groups x length by default.)
 template <int kChunk>
 __attribute__((always_inline)) inline void head_logits(const float* q, int64_t groups, int64_t d, const float* k,
-                                                       int64_t stride, int64_t length, float* logits) {
+                                                       int64_t stride, int64_t length, float* logits, int64_t ld = -1) {
+  if (ld < 0) ld = length;
   for (int64_t s0 = 0; s0 < length; s0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, length - s0);
     for (int64_t g = 0; g < groups; ++g) {
@@ -48,7 +53,7 @@ __attribute__((always_inline)) inline void head_logits(const float* q, int64_t g
           for (int64_t j = 0; j < n; ++j) acc[j] += qi * row[j];
         }
       }
-      std::copy(acc, acc + n, logits + g * length + s0);
+      std::copy(acc, acc + n, logits + g * ld + s0);
     }
   }
 }
@@ -73,14 +78,81 @@ struct Shape {
   int64_t batch, heads, groups, d, max_length;
 };
 
+// Vectors of W floats (GCC's vector extensions: W = 16 one ZMM register under AVX-512, 8 one YMM
+// under AVX2, 4 one XMM at the baseline), and of W int32.
+template <int W>
+struct Lanes {
+  typedef float V __attribute__((vector_size(4 * W), aligned(4)));
+  typedef int32_t I __attribute__((vector_size(4 * W)));
+  static __attribute__((always_inline)) inline V load(const float* p) { return *reinterpret_cast<const V*>(p); }
+  static __attribute__((always_inline)) inline void store(float* p, V v) { *reinterpret_cast<V*>(p) = v; }
+  static __attribute__((always_inline)) inline V splat(float v) { return V{} + v; }
+};
+
+// exp(x) for x <= 0 (a softmax's shifted logits) within 2 ulp over the float range, for a float
+// or a vector T of them: Cephes' expf (the range reduced by n = round(x / ln 2) in two parts, a
+// degree-6 polynomial, 2^n put in the exponent bits). A call of std::exp per element was most of
+// the call's time (2304 of them a SmolLM2 block). Below -87.3 (2^-126, where float32 turns
+// subnormal) it returns exp(-87.3), about 1e-38: nothing beside the largest term's 1. `to_bits`
+// turns n + 127 (a whole number, as T) into the float whose exponent it is.
+template <typename T, typename ToBits>
+__attribute__((always_inline)) inline T exp_nonpositive(T x, ToBits to_bits) {
+  constexpr float kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const T low = x * 0.0f - 87.3365447505f;
+  x = x < low ? low : x;
+  const T n = (x * kLog2e + kMagic) - kMagic;
+  T r = x - n * kC1;
+  r = r - n * kC2;
+  T p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  return p * to_bits(n + 127.0f);
+}
+
+__attribute__((always_inline)) inline float exp_scalar(float x) {
+  return exp_nonpositive(x, [](float e) {
+    const int32_t bits = static_cast<int32_t>(e) << 23;
+    float v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  });
+}
+
+// Each row of logits (groups x length) to its softmax, W lanes at a time: partial maxima and
+// sums in a vector each, the exp in vectors.
+template <int W>
 __attribute__((always_inline)) inline void softmax_rows(float* logits, int64_t groups, int64_t length) {
+  using L = Lanes<W>;
+  using V = typename L::V;
+  using I = typename L::I;
+  const auto to_bits = [](V e) { return reinterpret_cast<V>(__builtin_convertvector(e, I) << 23); };
   for (int64_t g = 0; g < groups; ++g) {
     float* row = logits + g * length;
+    const int64_t whole = length / W * W;
     float top = row[0];
-    for (int64_t s = 1; s < length; ++s) top = std::max(top, row[s]);
+    if (whole > 0) {
+      V tops = L::load(row);
+      for (int64_t s = W; s < whole; s += W) {
+        const V v = L::load(row + s);
+        tops = tops > v ? tops : v;
+      }
+      for (int j = 0; j < W; ++j) top = std::max(top, tops[j]);
+    }
+    for (int64_t s = whole; s < length; ++s) top = std::max(top, row[s]);
+    V sums{};
+    for (int64_t s = 0; s < whole; s += W) {
+      const V e = exp_nonpositive(L::load(row + s) - top, to_bits);
+      L::store(row + s, e);
+      sums += e;
+    }
     float sum = 0.0f;
-    for (int64_t s = 0; s < length; ++s) {
-      row[s] = std::exp(row[s] - top);
+    for (int j = 0; j < W; ++j) sum += sums[j];
+    for (int64_t s = whole; s < length; ++s) {
+      row[s] = exp_scalar(row[s] - top);
       sum += row[s];
     }
     const float inv = 1.0f / sum;
@@ -88,18 +160,108 @@ __attribute__((always_inline)) inline void softmax_rows(float* logits, int64_t g
   }
 }
 
-template <int kMaxD>
+// The same two products for a head_dim known when compiled (a multiple of 16: SmolLM2's 64,
+// 128), in vectors of W floats (GCC's vector extensions: W = 16 one ZMM register under AVX-512,
+// 8 one YMM under AVX2, 4 one XMM at the baseline) held in registers: 4 vectors of sums per query
+// head, up to G heads at once, each key or value row loaded once for all of them. Written as
+// plain loops over a runtime head_dim, the compiler kept the sums in memory; with these and the
+// vectorized exp a SmolLM2 block's call took 18.5 us against 42 us, with its 30 blocks' caches
+// in a chain (2-core Zen 4 EPYC, AVX-512; 12.8 against 29 us on one block's, in cache).
+// logits for G query heads at once over whole chunks of CV vectors of positions (up to `whole`).
+template <int W, int CV, int D, int G>
+__attribute__((always_inline)) inline void logits_groups(const float* q, const float* k, int64_t stride, int64_t whole,
+                                                         int64_t length, float* logits) {
+  using L = Lanes<W>;
+  using V = typename L::V;
+  for (int64_t s0 = 0; s0 < whole; s0 += CV * W) {
+    V a[G][CV] = {};
+    for (int i = 0; i < D; ++i) {
+      const float* row = k + i * stride + s0;
+      if (G == 1) {  // each vector of the row used as it is loaded: CV sums and little else in registers
+        const V qi = L::splat(q[i]);
+        for (int j = 0; j < CV; ++j) a[0][j] += qi * L::load(row + W * j);
+      } else {
+        V r[CV];
+        for (int j = 0; j < CV; ++j) r[j] = L::load(row + W * j);
+        for (int g = 0; g < G; ++g) {
+          const V qi = L::splat(q[g * D + i]);
+          for (int j = 0; j < CV; ++j) a[g][j] += qi * r[j];
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < CV; ++j) L::store(logits + g * length + s0 + W * j, a[g][j]);
+  }
+}
+
+// out (G x D) = p (G x length) @ v (length x D), 4 W columns of D at a time.
+template <int W, int D, int G>
+__attribute__((always_inline)) inline void values_groups(const float* p, int64_t length, const float* v, float* out) {
+  using L = Lanes<W>;
+  using V = typename L::V;
+  for (int c0 = 0; c0 < D; c0 += 4 * W) {
+    V acc[G][4] = {};
+    for (int64_t s = 0; s < length; ++s) {
+      const float* row = v + s * D + c0;
+      const V r0 = L::load(row), r1 = L::load(row + W), r2 = L::load(row + 2 * W), r3 = L::load(row + 3 * W);
+      for (int g = 0; g < G; ++g) {
+        const V ps = L::splat(p[g * length + s]);
+        acc[g][0] += ps * r0, acc[g][1] += ps * r1, acc[g][2] += ps * r2, acc[g][3] += ps * r3;
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) L::store(out + g * D + c0 + W * j, acc[g][j]);
+  }
+}
+
+// One key/value head's attention for a head_dim D (a multiple of 4 W): the logits of 64
+// positions at a time (CV = 64 / W vectors), for up to kMaxG query heads at once where the
+// registers hold their sums (AVX-512's 32: three heads of four; AVX2's 16: one of eight, each key
+// row then read again from L1 for the next head; reading 128 bytes of a row at a time instead, two
+// heads at once, took 47 against 23 us a block from the caches of 30, on a 2-core Zen 4 EPYC); the
+// values for up to two heads (three under AVX-512) at once.
+template <int W, int kMaxG, int D>
+__attribute__((always_inline)) inline void head_fixed(const float* q, int64_t groups, const float* k,
+                                                      const float* v, int64_t stride, int64_t length, float* logits,
+                                                      float* out) {
+  constexpr int CV = 64 / W;
+  const int64_t whole = length / 64 * 64;
+  int64_t g = 0;
+  if (kMaxG >= 3)
+    for (; g + 3 <= groups; g += 3) logits_groups<W, CV, D, 3>(q + g * D, k, stride, whole, length, logits + g * length);
+  if (kMaxG >= 2)
+    for (; g + 2 <= groups; g += 2) logits_groups<W, CV, D, 2>(q + g * D, k, stride, whole, length, logits + g * length);
+  for (; g < groups; ++g) logits_groups<W, CV, D, 1>(q + g * D, k, stride, whole, length, logits + g * length);
+  if (whole < length)  // the last positions (fewer than 64), in plain loops
+    head_logits<64>(q, groups, D, k + whole, stride, length - whole, logits + whole, length);
+  softmax_rows<W>(logits, groups, length);
+  g = 0;
+  if (kMaxG >= 3)
+    for (; g + 3 <= groups; g += 3) values_groups<W, D, 3>(logits + g * length, length, v, out + g * D);
+  for (; g + 2 <= groups; g += 2) values_groups<W, D, 2>(logits + g * length, length, v, out + g * D);
+  for (; g < groups; ++g) values_groups<W, D, 1>(logits + g * length, length, v, out + g * D);
+}
+
+template <int W, int kMaxG>
 __attribute__((always_inline)) inline void attend(const Shape& sh, const float* q, const float* keys,
                                                   const float* values, int64_t length, float* out) {
   std::vector<float> logits(static_cast<size_t>(sh.groups * length));
   for (int64_t b = 0; b < sh.batch; ++b) {
     for (int64_t h = 0; h < sh.heads; ++h) {
       const int64_t bh = b * sh.heads + h;
-      head_logits<64>(q + bh * sh.groups * sh.d, sh.groups, sh.d, keys + bh * sh.d * sh.max_length, sh.max_length,
-                      length, logits.data());
-      softmax_rows(logits.data(), sh.groups, length);
-      head_values<kMaxD>(logits.data(), sh.groups, length, values + bh * sh.max_length * sh.d, sh.d,
-                         out + bh * sh.groups * sh.d);
+      const float* qh = q + bh * sh.groups * sh.d;
+      const float* kh = keys + bh * sh.d * sh.max_length;
+      const float* vh = values + bh * sh.max_length * sh.d;
+      float* oh = out + bh * sh.groups * sh.d;
+      if (sh.d == 64) {
+        head_fixed<W, kMaxG, 64>(qh, sh.groups, kh, vh, sh.max_length, length, logits.data(), oh);
+      } else if (sh.d == 128) {
+        head_fixed<W, kMaxG, 128>(qh, sh.groups, kh, vh, sh.max_length, length, logits.data(), oh);
+      } else {
+        head_logits<64>(qh, sh.groups, sh.d, kh, sh.max_length, length, logits.data());
+        softmax_rows<W>(logits.data(), sh.groups, length);
+        head_values<256>(logits.data(), sh.groups, length, vh, sh.d, oh);
+      }
     }
   }
 }
@@ -107,29 +269,28 @@ __attribute__((always_inline)) inline void attend(const Shape& sh, const float* 
 #if defined(__x86_64__)
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void attend_avx512(
     const Shape& sh, const float* q, const float* k, const float* v, int64_t length, float* out) {
-  attend<256>(sh, q, k, v, length, out);
+  attend<16, 3>(sh, q, k, v, length, out);
 }
 __attribute__((target("avx2,fma"))) void attend_avx2(const Shape& sh, const float* q, const float* k, const float* v,
                                                      int64_t length, float* out) {
-  attend<256>(sh, q, k, v, length, out);
+  attend<8, 1>(sh, q, k, v, length, out);
 }
 #endif
 void attend_baseline(const Shape& sh, const float* q, const float* k, const float* v, int64_t length, float* out) {
-  attend<256>(sh, q, k, v, length, out);
+  attend<4, 1>(sh, q, k, v, length, out);
 }
 
 using AttendFn = void (*)(const Shape&, const float*, const float*, const float*, int64_t, float*);
 
+// The variant of the SIMD path in use (kernels.h's current_path, so set_path forces the baseline
+// loops as it does the portable kernels): AVX-512 under avx512_vnni, AVX2 under avx_vnni and avx2.
 AttendFn attend_kernel() {
 #if defined(__x86_64__)
-  static const AttendFn fn = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                                 ? attend_avx512
-                                 : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? attend_avx2
-                                                                                                   : attend_baseline);
-  return fn;
-#else
-  return attend_baseline;
+  const std::string name = current_path().name;
+  if (name == "avx512_vnni") return attend_avx512;
+  if (name == "avx_vnni" || name == "avx2") return attend_avx2;
 #endif
+  return attend_baseline;
 }
 
 ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
