@@ -811,12 +811,14 @@ def _attention_ref(q, keys, values, position):
 
 @needs_kernels
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("d,g,length", [(8, 3, 20), (64, 3, 150), (64, 5, 150), (128, 2, 70), (128, 1, 64)])
+@pytest.mark.parametrize("d,g,length", [(8, 3, 20), (64, 3, 150), (64, 5, 300), (128, 2, 70), (128, 1, 64)])
 def test_decode_attention_matches_a_float64_reference(path, d, g, length, path_restored):
     """Batch 2, 2 key/value heads of g query heads each: the first, a middle and the last position
     (entries past the position, here large, must be left out); head_dim 64 and 128 take vectors
     of sums for whole chunks of 64 positions and groups three, two or one at a time (5 = 3 + 2),
-    the rest plain loops; on each SIMD path (the portable path: the baseline loops)."""
+    the rest plain loops; on each SIMD path (the portable path: the baseline loops); each head's
+    positions split into parts for 8 and 16 threads too (at 300 positions and 8 threads: four
+    parts of two chunks, the last one empty), merged."""
     cpu_kernels.set_path(path)
     rng = np.random.default_rng(d + g)
     b, h = 2, 2
@@ -824,12 +826,17 @@ def test_decode_attention_matches_a_float64_reference(path, d, g, length, path_r
     keys = rng.standard_normal((b, h, d, length)).astype(np.float32)
     values = rng.standard_normal((b, h, length, d)).astype(np.float32)
     fn = jax.jit(cpu_kernels.decode_attention)
-    for position in (0, length // 2 + 3, length - 1):
-        k, v = keys.copy(), values.copy()
-        k[..., position + 1:], v[:, :, position + 1:] = 50.0, 50.0  # not yet written: must not count
-        got = np.asarray(fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(position, jnp.int32)))
-        assert got.shape == (b, h, g, d) and got.dtype == np.float32
-        np.testing.assert_allclose(got, _attention_ref(q, k, v, position), rtol=1e-5, atol=2e-6)
+    try:
+        for threads in (None, 8, 16):
+            cpu_kernels.set_threads(threads)
+            for position in (0, length // 2 + 3, length - 1):
+                k, v = keys.copy(), values.copy()
+                k[..., position + 1:], v[:, :, position + 1:] = 50.0, 50.0  # not yet written: must not count
+                got = np.asarray(fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(position, jnp.int32)))
+                assert got.shape == (b, h, g, d) and got.dtype == np.float32
+                np.testing.assert_allclose(got, _attention_ref(q, k, v, position), rtol=1e-5, atol=2e-6)
+    finally:
+        cpu_kernels.set_threads(None)
     at_zero = np.asarray(fn(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values), jnp.asarray(0, jnp.int32)))
     np.testing.assert_allclose(at_zero, np.broadcast_to(values[:, :, :1], (b, h, g, d)), rtol=1e-6)  # one entry: it
 

@@ -14,10 +14,12 @@
 // the baseline's, as the SIMD path in use: set_path forces the baseline too), and the
 // exponentials vectorized (Cephes' expf; std::exp per element had been most of the time). On a
 // 2-core Zen 4 EPYC, a SmolLM2 block at cache 256 (30 blocks' caches in a chain) went from 42 to
-// 16 us (AVX-512), 45 to 23 us (AVX2). One thread: the call is bound by reading the caches from
-// the last-level cache; a first split over two threads (by head and half of the positions, then
-// of head_dim, three hand-offs a call, its loops left at the baseline ISA) measured slower, 51-56
-// us against 39-43 us a block for 30 blocks' caches in a chain.
+// 16 us (AVX-512), 45 to 23 us (AVX2), on one thread. Where there are more threads than heads to
+// share, each head's positions split into parts (attend, below): in a decode step the weights'
+// streams have pushed the caches out to memory, and there two threads reading them took a
+// SmolLM2-135M int4 decode step from 5.24-6.23 to 4.69-5.43 ms (AVX2 kernels, two runs each,
+// experiments/ab_grouped_projections.py); with the caches of 30 blocks in L3 alone it made no
+// difference (16-18 us a block).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -122,10 +125,12 @@ __attribute__((always_inline)) inline float exp_scalar(float x) {
   });
 }
 
-// Each row of logits (groups x length) to its softmax, W lanes at a time: partial maxima and
-// sums in a vector each, the exp in vectors.
+// Each row of logits (groups x length) to the exponentials of its softmax, unnormalized
+// (exp(logit - top), top the row's largest), W lanes at a time: partial maxima and sums in a
+// vector each, the exp in vectors. tops[g] and sums[g]: each row's top and its exponentials' sum.
 template <int W>
-__attribute__((always_inline)) inline void softmax_rows(float* logits, int64_t groups, int64_t length) {
+__attribute__((always_inline)) inline void softmax_parts(float* logits, int64_t groups, int64_t length, float* tops,
+                                                         float* sums) {
   using L = Lanes<W>;
   using V = typename L::V;
   using I = typename L::I;
@@ -135,28 +140,28 @@ __attribute__((always_inline)) inline void softmax_rows(float* logits, int64_t g
     const int64_t whole = length / W * W;
     float top = row[0];
     if (whole > 0) {
-      V tops = L::load(row);
+      V most = L::load(row);
       for (int64_t s = W; s < whole; s += W) {
         const V v = L::load(row + s);
-        tops = tops > v ? tops : v;
+        most = most > v ? most : v;
       }
-      for (int j = 0; j < W; ++j) top = std::max(top, tops[j]);
+      for (int j = 0; j < W; ++j) top = std::max(top, most[j]);
     }
     for (int64_t s = whole; s < length; ++s) top = std::max(top, row[s]);
-    V sums{};
+    V parts{};
     for (int64_t s = 0; s < whole; s += W) {
       const V e = exp_nonpositive(L::load(row + s) - top, to_bits);
       L::store(row + s, e);
-      sums += e;
+      parts += e;
     }
     float sum = 0.0f;
-    for (int j = 0; j < W; ++j) sum += sums[j];
+    for (int j = 0; j < W; ++j) sum += parts[j];
     for (int64_t s = whole; s < length; ++s) {
       row[s] = exp_scalar(row[s] - top);
       sum += row[s];
     }
-    const float inv = 1.0f / sum;
-    for (int64_t s = 0; s < length; ++s) row[s] *= inv;
+    tops[g] = top;
+    sums[g] = sum;
   }
 }
 
@@ -223,7 +228,7 @@ __attribute__((always_inline)) inline void values_groups(const float* p, int64_t
 template <int W, int kMaxG, int D>
 __attribute__((always_inline)) inline void head_fixed(const float* q, int64_t groups, const float* k,
                                                       const float* v, int64_t stride, int64_t length, float* logits,
-                                                      float* out) {
+                                                      float* out, float* tops, float* sums) {
   constexpr int CV = 64 / W;
   const int64_t whole = length / 64 * 64;
   int64_t g = 0;
@@ -234,7 +239,7 @@ __attribute__((always_inline)) inline void head_fixed(const float* q, int64_t gr
   for (; g < groups; ++g) logits_groups<W, CV, D, 1>(q + g * D, k, stride, whole, length, logits + g * length);
   if (whole < length)  // the last positions (fewer than 64), in plain loops
     head_logits<64>(q, groups, D, k + whole, stride, length - whole, logits + whole, length);
-  softmax_rows<W>(logits, groups, length);
+  softmax_parts<W>(logits, groups, length, tops, sums);
   g = 0;
   if (kMaxG >= 3)
     for (; g + 3 <= groups; g += 3) values_groups<W, D, 3>(logits + g * length, length, v, out + g * D);
@@ -242,59 +247,117 @@ __attribute__((always_inline)) inline void head_fixed(const float* q, int64_t gr
   for (; g < groups; ++g) values_groups<W, D, 1>(logits + g * length, length, v, out + g * D);
 }
 
+// One key/value head over the positions [s0, s0 + n) of its cache (kh: (d, max_length), vh:
+// (max_length, d)): out (groups x d) = sum_s exp(logit_s - top) v_s, unnormalized, with each query
+// head's top and sum of exponentials (the parts of a head are merged after: DecodeAttentionImpl).
 template <int W, int kMaxG>
-__attribute__((always_inline)) inline void attend(const Shape& sh, const float* q, const float* keys,
-                                                  const float* values, int64_t length, float* out) {
-  std::vector<float> logits(static_cast<size_t>(sh.groups * length));
-  for (int64_t b = 0; b < sh.batch; ++b) {
-    for (int64_t h = 0; h < sh.heads; ++h) {
-      const int64_t bh = b * sh.heads + h;
-      const float* qh = q + bh * sh.groups * sh.d;
-      const float* kh = keys + bh * sh.d * sh.max_length;
-      const float* vh = values + bh * sh.max_length * sh.d;
-      float* oh = out + bh * sh.groups * sh.d;
-      if (sh.d == 64) {
-        head_fixed<W, kMaxG, 64>(qh, sh.groups, kh, vh, sh.max_length, length, logits.data(), oh);
-      } else if (sh.d == 128) {
-        head_fixed<W, kMaxG, 128>(qh, sh.groups, kh, vh, sh.max_length, length, logits.data(), oh);
-      } else {
-        head_logits<64>(qh, sh.groups, sh.d, kh, sh.max_length, length, logits.data());
-        softmax_rows<W>(logits.data(), sh.groups, length);
-        head_values<256>(logits.data(), sh.groups, length, vh, sh.d, oh);
+__attribute__((always_inline)) inline void head_part(const Shape& sh, const float* qh, const float* kh,
+                                                     const float* vh, int64_t s0, int64_t n, float* logits,
+                                                     float* out, float* tops, float* sums) {
+  const float* k = kh + s0;
+  const float* v = vh + s0 * sh.d;
+  if (sh.d == 64) {
+    head_fixed<W, kMaxG, 64>(qh, sh.groups, k, v, sh.max_length, n, logits, out, tops, sums);
+  } else if (sh.d == 128) {
+    head_fixed<W, kMaxG, 128>(qh, sh.groups, k, v, sh.max_length, n, logits, out, tops, sums);
+  } else {
+    head_logits<64>(qh, sh.groups, sh.d, k, sh.max_length, n, logits);
+    softmax_parts<W>(logits, sh.groups, n, tops, sums);
+    head_values<256>(logits, sh.groups, n, v, sh.d, out);
+  }
+}
+
+using PartFn = void (*)(const Shape&, const float*, const float*, const float*, int64_t, int64_t, float*, float*,
+                        float*, float*);
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void part_avx512(
+    const Shape& sh, const float* qh, const float* kh, const float* vh, int64_t s0, int64_t n, float* logits,
+    float* out, float* tops, float* sums) {
+  head_part<16, 3>(sh, qh, kh, vh, s0, n, logits, out, tops, sums);
+}
+__attribute__((target("avx2,fma"))) void part_avx2(const Shape& sh, const float* qh, const float* kh, const float* vh,
+                                                   int64_t s0, int64_t n, float* logits, float* out, float* tops,
+                                                   float* sums) {
+  head_part<8, 1>(sh, qh, kh, vh, s0, n, logits, out, tops, sums);
+}
+#endif
+void part_baseline(const Shape& sh, const float* qh, const float* kh, const float* vh, int64_t s0, int64_t n,
+                   float* logits, float* out, float* tops, float* sums) {
+  head_part<4, 1>(sh, qh, kh, vh, s0, n, logits, out, tops, sums);
+}
+
+// The variant of the SIMD path in use (kernels.h's current_path, so set_path forces the baseline
+// loops as it does the portable kernels): AVX-512 under avx512_vnni, AVX2 under avx_vnni and avx2.
+PartFn part_kernel() {
+#if defined(__x86_64__)
+  const std::string name = current_path().name;
+  if (name == "avx512_vnni") return part_avx512;
+  if (name == "avx_vnni" || name == "avx2") return part_avx2;
+#endif
+  return part_baseline;
+}
+
+// Positions a part takes: whole chunks of 64 (the vector loops'), at least kPartMinChunks of them.
+constexpr int64_t kChunkPositions = 64, kPartMinChunks = 1, kMaxParts = 64;
+
+// The attention of every (batch row, key/value head), each head's positions split into parts of
+// whole 64-position chunks where there are more threads than heads to share (a SmolLM2 block's 3
+// heads over 2 threads: 6 parts, 2 a head), the parts claimed by the threads as they come free.
+// Each part's unnormalized sums are merged as flash-decoding does: scaled by exp(top_p - top)
+// over the head's sum of exponentials. Caches of fewer bytes than serial_max_bytes() run on the
+// calling thread alone.
+void attend(ffi::ThreadPool& pool, const Shape& sh, const float* q, const float* keys, const float* values,
+            int64_t length, float* out) {
+  const int64_t heads = sh.batch * sh.heads, g = sh.groups, d = sh.d;
+  const bool serial = heads * length * d * 8 <= serial_max_bytes();
+  const int64_t threads = serial ? 1 : call_threads(pool.num_threads());
+  const int64_t chunks = (length + kChunkPositions - 1) / kChunkPositions;
+  const int64_t parts = std::max<int64_t>(
+      1, std::min({(2 * threads + heads - 1) / heads, chunks / kPartMinChunks, kMaxParts}));
+  const int64_t per_part = (chunks + parts - 1) / parts * kChunkPositions;
+  const int64_t tasks = heads * parts;
+  std::vector<float> logits(static_cast<size_t>(tasks * g * per_part)), partial(static_cast<size_t>(tasks * g * d));
+  std::vector<float> tops(static_cast<size_t>(tasks * g)), sums(static_cast<size_t>(tasks * g));
+  const PartFn fn = part_kernel();
+  float* lp = logits.data();
+  float* pp = partial.data();
+  float* tp = tops.data();
+  float* sp = sums.data();
+  const Shape shape = sh;
+  share_tasks(pool, tasks, threads, [=](int64_t t) {
+    const int64_t bh = t / parts, p = t % parts, s0 = p * per_part, n = std::min(length, s0 + per_part) - s0;
+    if (n <= 0) {  // a part past the end (parts of whole chunks): nothing, weighed as nothing below
+      for (int64_t j = 0; j < g; ++j) tp[t * g + j] = -INFINITY, sp[t * g + j] = 0.0f;
+      return;
+    }
+    fn(shape, q + bh * g * d, keys + bh * d * shape.max_length, values + bh * shape.max_length * d, s0, n,
+       lp + t * g * per_part, pp + t * g * d, tp + t * g, sp + t * g);
+  });
+  for (int64_t bh = 0; bh < heads; ++bh) {
+    for (int64_t j = 0; j < g; ++j) {
+      float top = -INFINITY;
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, tops[(bh * parts + p) * g + j]);
+      float weights[kMaxParts];
+      float total = 0.0f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t t = bh * parts + p;
+        weights[p] = sums[t * g + j] > 0.0f ? std::exp(tops[t * g + j] - top) : 0.0f;
+        total += weights[p] * sums[t * g + j];
+      }
+      float* o = out + (bh * g + j) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        float acc = 0.0f;
+        for (int64_t p = 0; p < parts; ++p) acc += weights[p] * partial[((bh * parts + p) * g + j) * d + i];
+        o[i] = acc / total;
       }
     }
   }
 }
 
-#if defined(__x86_64__)
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void attend_avx512(
-    const Shape& sh, const float* q, const float* k, const float* v, int64_t length, float* out) {
-  attend<16, 3>(sh, q, k, v, length, out);
-}
-__attribute__((target("avx2,fma"))) void attend_avx2(const Shape& sh, const float* q, const float* k, const float* v,
-                                                     int64_t length, float* out) {
-  attend<8, 1>(sh, q, k, v, length, out);
-}
-#endif
-void attend_baseline(const Shape& sh, const float* q, const float* k, const float* v, int64_t length, float* out) {
-  attend<4, 1>(sh, q, k, v, length, out);
-}
-
-using AttendFn = void (*)(const Shape&, const float*, const float*, const float*, int64_t, float*);
-
-// The variant of the SIMD path in use (kernels.h's current_path, so set_path forces the baseline
-// loops as it does the portable kernels): AVX-512 under avx512_vnni, AVX2 under avx_vnni and avx2.
-AttendFn attend_kernel() {
-#if defined(__x86_64__)
-  const std::string name = current_path().name;
-  if (name == "avx512_vnni") return attend_avx512;
-  if (name == "avx_vnni" || name == "avx2") return attend_avx2;
-#endif
-  return attend_baseline;
-}
-
-ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
-                               ffi::Buffer<ffi::S32> position, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                               ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> position,
+                               ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions();
   auto bad = [&](const std::string& what) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -315,7 +378,7 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> ke
     return bad("the position " + std::to_string(pos) + " is outside the cache [0, " + std::to_string(sh.max_length) +
                ")");
   if (sh.batch * sh.heads * sh.groups * sh.d == 0) return ffi::Error::Success();
-  attend_kernel()(sh, q.typed_data(), keys.typed_data(), values.typed_data(), pos + 1, out->typed_data());
+  attend(pool, sh, q.typed_data(), keys.typed_data(), values.typed_data(), pos + 1, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -324,6 +387,7 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> ke
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AutopolicyDecodeAttention, autopolicy_cpu::DecodeAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

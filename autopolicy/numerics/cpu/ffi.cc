@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -50,31 +51,10 @@ Runner runner_for(ffi::ThreadPool& pool, int64_t work_bytes) {
   return Runner{&pool, work_bytes <= serial_max_bytes()};
 }
 
-// Runs body(t) for t in [0, tasks), on the helpers and the calling thread. The caller never waits
-// for a task that has not started: tasks are claimed from a counter, and the caller waits only
-// for claimed tasks to finish.
+// Runs body(t) for t in [0, tasks), on the helpers and the calling thread (parallel.h).
 template <typename Body>
 void parallel_tasks(const Runner& run_on, int64_t tasks, Body body) {
-  if (tasks <= 1 || run_on.serial) {
-    for (int64_t t = 0; t < tasks; ++t) body(t);
-    return;
-  }
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto run = [state, tasks, body]() {
-    for (int64_t t; (t = state->next.fetch_add(1)) < tasks;) {
-      body(t);
-      state->done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(tasks, run_on.threads()) - 1;
-  if (!offer_to_helpers(helpers, std::make_shared<const std::function<void()>>(run)))
-    for (int64_t t = 0; t < helpers; ++t) run_on.pool->Schedule([run]() { run(); });
-  run();
-  wait_until(state->done, tasks);
+  share_tasks(*run_on.pool, tasks, run_on.serial ? 1 : run_on.threads(), body);
 }
 
 // Runs body(n0, n1) over [0, n) in one chunk per thread.

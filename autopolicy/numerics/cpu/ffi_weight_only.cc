@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "weight_only.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -27,27 +28,6 @@ namespace {
 
 // Output rows per task (even: a packed byte row is never split).
 constexpr int64_t kRowsPerTask = 64;
-
-// Runs part(p) for p in [0, parts) on the calling thread and up to threads - 1 helpers;
-// parts are claimed from a shared counter, so the caller only waits for parts already started.
-template <typename Part>
-void share_parts(ffi::ThreadPool& pool, int64_t parts, int64_t threads, Part part) {
-  struct Progress {
-    std::atomic<int64_t> claimed{0};
-    std::atomic<int64_t> finished{0};
-  };
-  auto progress = std::make_shared<Progress>();
-  auto worker = [progress, parts, part]() {
-    for (int64_t p = progress->claimed.fetch_add(1); p < parts; p = progress->claimed.fetch_add(1)) {
-      part(p);
-      progress->finished.fetch_add(1);
-    }
-  };
-  if (!offer_to_helpers(threads - 1, std::make_shared<const std::function<void()>>(worker)))
-    for (int64_t t = 1; t < threads; ++t) pool.Schedule([worker]() { worker(); });
-  worker();
-  wait_until(progress->finished, parts);
-}
 
 ffi::Error invalid(const std::string& what) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "autopolicy weight-only matmul: " + what);
@@ -142,7 +122,7 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     kernel(args, 0, n);
     return ffi::Error::Success();
   }
-  share_parts(pool, parts, threads, [args, kernel, n, per_task](int64_t p) {
+  share_tasks(pool, parts, threads, [args, kernel, n, per_task](int64_t p) {
     kernel(args, p * per_task, std::min(n, (p + 1) * per_task));
   });
   return ffi::Error::Success();
