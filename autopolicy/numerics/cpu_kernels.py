@@ -9,7 +9,8 @@ reference) is chosen when it loads, from the CPU's features, never at build time
 whole layer in one call: the per-row quantization, the integer product, the rescale and an
 optional bias, each in the same float32 operations as the package's XLA path, so the outputs
 equal it bit for bit. At batch 1 on small layers the separate XLA ops around the call cost as
-much as the product. Work is split over as many threads as XLA's intra-op pool has (or
+much as the product. :func:`int8_dense_group` and :func:`int4_dense_group` do several such
+layers of one input in one call (a decoder's query, key and value). Work is split over as many threads as XLA's intra-op pool has (or
 :func:`set_threads` names): the calling thread and the library's own helpers, which poll for the next call
 for :func:`spin_us` microseconds before they sleep (or XLA's pool itself, with
 ``set_spin_us(0)``); calls whose weights are below :func:`serial_max_bytes` run on the calling
@@ -38,7 +39,8 @@ import jax.numpy as jnp
 
 __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
            "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "serial_max_bytes",
-           "set_serial_max_bytes", "spin_us", "set_spin_us", "threads", "set_threads", "int8_matmul", "int4_matmul", "int8_dense", "int4_dense", "int8_dense_group", "int4_dense_group", "decode_attention", "DENSE_DTYPES",
+           "set_serial_max_bytes", "spin_us", "set_spin_us", "threads", "set_threads", "int8_matmul", "int4_matmul",
+           "int8_dense", "int4_dense", "int8_dense_group", "int4_dense_group", "decode_attention", "DENSE_DTYPES",
            "notice_once", "FFI_KERNELS", "kernel_path", "kernel_distinct_on"]
 
 #: Set to 1 to leave the kernels out (as on a machine without a compiler).

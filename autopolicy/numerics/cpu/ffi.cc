@@ -4,8 +4,8 @@
 // small to pay for a second thread run on the caller alone), and runs the kernel of the SIMD
 // path the call names in its "path" attribute ("": the one in use; kernels.h's path_named). The
 // dense targets take the float input and return the float output: the row quantization before and
-// the rescale (and bias) after run here too (quantize.cc), not as XLA ops around the call. No
-// state across calls.
+// the rescale (and bias) after run here too (quantize.cc), not as XLA ops around the call; the
+// grouped dense targets do several products of one input in one call. No state across calls.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -364,13 +364,14 @@ ffi::Error Int4DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-
 // --- the grouped dense calls: several products of one x in one call (a decoder's query, key and
 // value projections, or its gate and up), each as its fused dense call computes it, bit for bit.
-// One call quantizes x once and hands the threads one set of tasks over every product's columns:
-// on a 2-core Zen 4 EPYC (AVX-512 VNNI), SmolLM2-135M's int4 q/k/v at batch 1 ran 1.37-1.47x
-// faster as one call over their concatenated weights than as three, gate and up 1.29-1.41x
-// (24 copies of the weights cycled, so from L3 and memory as a decode step reads them).
+// One call quantizes x once and hands the threads one set of tasks over every product's columns,
+// where separate calls each pay a call's fixed cost and, below serial_max_bytes(), leave the
+// other threads idle (SmolLM2's 576 x 192 key and value). On a 2-core Zen 4 EPYC the grouped
+// calls ran SmolLM2-135M's int4 q/k/v chain of 24 blocks at 1.05-1.20x the separate calls' speed
+// and its decode step at 0.97-1.06x, within that machine's noise
+// (experiments/ab_grouped_projections.py).
 
 // One product of a grouped call: its weights (int8 (K, N) or packed int4 (ceil(K/2), N)), scales
 // (int8 (N,), int4 (G, N)), width, output and where its sums go before the rescale (the output
