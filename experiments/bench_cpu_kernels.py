@@ -236,7 +236,7 @@ def _cached(nbytes: int, budget: int) -> bool:
 
 
 def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
-                   target: float = 0.02, pause: float = 0.1) -> list[dict[str, Any]]:
+                   target: float = 0.02, pause: float = 0.1, warm: float = 0.005) -> list[dict[str, Any]]:
     """As :func:`bench`, but each candidate runs as a decoder meets its layers: in one program of
     dependent calls cycling through copies of its weights, ``budget`` bytes of them (at most 64
     copies), so that, where that is more than the caches hold, every call reads its weights from
@@ -244,7 +244,11 @@ def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
     candidate once per round in a fresh random order, ``pause`` seconds before each (on the 2-core
     EPYC a 4096 x 4096 int8 layer took 1.65-1.75 ms right after XLA's int8 path, 1.29-1.40 ms
     after a pause of 0.1-0.5 s, float32 4.34 against 3.65-3.79 ms: a transient of the machine,
-    not of the candidate), ratios paired within rounds."""
+    not of the candidate), then ``warm`` seconds of the candidate's own program untimed (as a
+    decoder's layers follow one another: after the pause the helper threads had gone to sleep and
+    the cores clocked down, and on a 2-core Zen 4 EPYC 576 x 1536 int4 took 25-35 us in the
+    first 20 ms against 17-21 us in 0.2 s samples, float32 119-127 against 106-112 us), ratios
+    paired within rounds."""
     cands, nbytes = candidates(m, k, n, seed)
     if not _cached(k * n // 2, budget):  # the smaller read, of the int4 bytes, streams too (see reads)
         read_cands, read_bytes = reads(k, n, seed)
@@ -262,6 +266,11 @@ def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
         reps = max(1, int(target / max(time.perf_counter() - start, 1e-6)))
 
         def run(program=program, states=states, x=x, reps=reps, calls=reps * length):
+            until = time.perf_counter() + warm
+            while True:
+                jax.block_until_ready(program(states, x))
+                if time.perf_counter() >= until:
+                    break
             start = time.perf_counter()
             for _ in range(reps):
                 out = program(states, x)
