@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -317,10 +318,12 @@ void attend(ffi::ThreadPool& pool, const Shape& sh, const float* q, const float*
       1, std::min({(2 * threads + heads - 1) / heads, chunks / kPartMinChunks, kMaxParts}));
   const int64_t per_part = (chunks + parts - 1) / parts * kChunkPositions;
   const int64_t tasks = heads * parts;
-  std::vector<float> logits(static_cast<size_t>(tasks * g * per_part)), partial(static_cast<size_t>(tasks * g * d));
+  // Every part writes all of its logits, partial sums, tops and sums: no need to clear them.
+  std::unique_ptr<float[]> logits(new float[static_cast<size_t>(tasks * g * per_part)]);
+  std::vector<float> partial(static_cast<size_t>(tasks * g * d));
   std::vector<float> tops(static_cast<size_t>(tasks * g)), sums(static_cast<size_t>(tasks * g));
   const PartFn fn = part_kernel();
-  float* lp = logits.data();
+  float* lp = logits.get();
   float* pp = partial.data();
   float* tp = tops.data();
   float* sp = sums.data();

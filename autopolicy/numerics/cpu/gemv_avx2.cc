@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "kernels.h"
@@ -383,13 +384,15 @@ void int4_avx2(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t 
                const float* scale, int64_t n0, int64_t n1, float* out) {
   const int64_t simd_end = n0 + (n1 - n0) / 32 * 32;
   if (simd_end > n0) {
-    std::vector<int32_t> scratch(4 * (simd_end - n0));
+    // Uninitialized: int4_stream clears the sums at each block (a zeroed vector was a second
+    // memset of up to 24 KB a call, 1.3% of a SmolLM2 int4 decode step's CPU time in perf).
+    std::unique_ptr<int32_t[]> scratch(new int32_t[static_cast<size_t>(4 * (simd_end - n0))]);
     int64_t r = 0;
     for (; r + 4 <= m; r += 4)
-      int4_stream<4>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.data());
+      int4_stream<4>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.get());
     for (; r + 2 <= m; r += 2)
-      int4_stream<2>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.data());
-    for (; r < m; ++r) int4_stream<1>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.data());
+      int4_stream<2>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.get());
+    for (; r < m; ++r) int4_stream<1>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.get());
   }
   if (simd_end < n1) int4_portable(x, m, k, w, n, block, scale, simd_end, n1, out);
 }
