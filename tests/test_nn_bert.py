@@ -223,7 +223,8 @@ def test_self_attentions_projections_share_one_kernel_call_with_the_same_outputs
         programs[env] = fn.lower(block, x).as_text()
         outputs[env] = np.asarray(fn(block, x))
     mode = policy[:4]
-    assert programs["1"].count(f"custom_call @autopolicy_{mode}_dense_group") == 1
+    # (Several devices: the layers' own calls, as the FFI kernels are offered on one device only.)
+    assert programs["1"].count(f"custom_call @autopolicy_{mode}_dense_group") == (jax.device_count() == 1)
     assert "dense_group" not in programs["0"]
     assert np.abs(outputs["1"]).max() > 0
     np.testing.assert_array_equal(outputs["1"], outputs["0"])

@@ -472,7 +472,8 @@ def test_projections_sharing_an_input_run_as_one_kernel_call_with_the_same_logit
     """q/k/v and gate/up on one FFI kernel with one quantized form are one grouped call per block
     (AUTOPOLICY_GROUPED_PROJECTIONS=0: one call each); the prefill's and a decode step's logits
     equal bit for bit. A mixed map groups only the layers that agree: the query int8 and the gate
-    int4 per channel leave key/value (int4) grouped and up (int4 in blocks of 8) alone."""
+    int4 per channel leave key/value (int4) grouped and up (int4 in blocks of 8) alone. With
+    several devices nothing is grouped."""
     from autopolicy.numerics import cpu_kernels  # pylint: disable=import-outside-toplevel
 
     if not cpu_kernels.AVAILABLE:
@@ -498,8 +499,9 @@ def test_projections_sharing_an_input_run_as_one_kernel_call_with_the_same_logit
         args = (model, cache, ids[:, 5:6], jnp.asarray(5, jnp.int32))
         programs[env] = step.lower(*args).as_text()
         outputs[env] = (np.asarray(step(*args)[0]), np.asarray(jax.jit(lambda m, x: m(x))(model, ids)))
-    for mode, count in groups.items():
-        assert programs["1"].count(f"custom_call @autopolicy_{mode}_dense_group") == count
+    for mode, count in groups.items():  # several devices: the layers' own calls (the FFI kernels' rule)
+        expected = count if jax.device_count() == 1 else 0
+        assert programs["1"].count(f"custom_call @autopolicy_{mode}_dense_group") == expected
     assert "dense_group" not in programs["0"]
     assert np.abs(outputs["1"][0]).max() > 0
     for grouped, alone in zip(outputs["1"], outputs["0"], strict=True):

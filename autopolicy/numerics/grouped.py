@@ -31,8 +31,12 @@ GROUPED_MODES = ("int8", "int4")
 
 def can_group(mode: str | None, kernel: str | None, dtype: Any) -> bool:
     """Whether a product of ``mode`` run by ``kernel`` on inputs of ``dtype`` can join a group:
-    an int8 or int4 product on an FFI kernel this machine runs, in float32 or bfloat16."""
+    an int8 or int4 product on an FFI kernel this machine runs, in float32 or bfloat16, with one
+    device (arrays sharded over several take the layers' own calls, as the FFI kernels are
+    offered on one device only)."""
     if mode not in GROUPED_MODES or kernel not in cpu_kernels.FFI_KERNELS or not cpu_kernels.AVAILABLE:
+        return False
+    if jax.device_count() != 1:
         return False
     if jnp.dtype(dtype).name not in cpu_kernels.DENSE_DTYPES:
         return False
@@ -121,10 +125,11 @@ def grouped_products(mode: str, layout: tuple, compute_dtype: Any, kernel: str, 
 
     Raises:
       ValueError: for a mode that does not group, a kernel that is not an FFI kernel this machine
-        runs, or an input that is not a 2-D float32 or bfloat16 array.
+        runs, several devices, or an input that is not a 2-D float32 or bfloat16 array.
     """
     if not can_group(mode, kernel, x2.dtype) or x2.ndim != 2:
         raise ValueError(f"grouped_products: needs a mode of {GROUPED_MODES}, an FFI kernel this machine runs "
-                         f"(of {tuple(cpu_kernels.FFI_KERNELS)}) and a 2-D input of {cpu_kernels.DENSE_DTYPES}. "
-                         f"Received: mode={mode!r}, kernel={kernel!r}, x {x2.dtype}{list(x2.shape)}")
+                         f"(of {tuple(cpu_kernels.FFI_KERNELS)}), one device and a 2-D input of "
+                         f"{cpu_kernels.DENSE_DTYPES}. Received: mode={mode!r}, kernel={kernel!r}, "
+                         f"x {x2.dtype}{list(x2.shape)}, {jax.device_count()} device(s)")
     return _grouped(mode, tuple(layout), jnp.dtype(compute_dtype), kernel, x2, tuple(mats))
