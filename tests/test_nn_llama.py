@@ -446,18 +446,26 @@ def test_a_decode_step_runs_the_cpu_attention_kernel_and_equals_xla(small, monke
 
     if not cpu_kernels.AVAILABLE:
         pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
-    ids = jnp.array([[3, 17, 5, 39, 0, 8]], jnp.int32)
-    _, cache = generation.prefill(small, small.init_cache(1, 16), ids[:, :5])
-    outputs, programs = {}, {}
-    for env in ("0", "1"):
-        monkeypatch.setenv("AUTOPOLICY_XLA_ATTENTION", env)
-        step = jax.jit(lambda m, c, x, s: m(x, start=s, cache=c))  # traced afresh: the variable is read then
-        args = (small, cache, ids[:, 5:6], jnp.asarray(5, jnp.int32))
-        programs[env] = step.lower(*args).as_text()
-        outputs[env] = np.asarray(step(*args)[0])
+    programs, outputs = _steps_under(small, monkeypatch, "AUTOPOLICY_XLA_ATTENTION", ("0", "1"))
     assert "autopolicy_decode_attention" in programs["0"] and "autopolicy_decode_attention" not in programs["1"]
-    assert np.abs(outputs["1"]).max() > 0
-    np.testing.assert_allclose(outputs["0"], outputs["1"], rtol=1e-5, atol=1e-5)
+    assert np.abs(outputs["1"][0]).max() > 0
+    np.testing.assert_allclose(outputs["0"][0], outputs["1"][0], rtol=1e-5, atol=1e-5)
+
+
+def _steps_under(model, monkeypatch, variable, values):
+    """Per value of the environment ``variable``: the program text of a decode step at position 5
+    of a cache prefilled with five ids, and ``(its logits, the full forward's)``, each traced
+    afresh (the variable is read then)."""
+    ids = jnp.array([[3, 17, 5, 39, 0, 8]], jnp.int32)
+    _, cache = generation.prefill(model, model.init_cache(1, 16), ids[:, :5])
+    programs, outputs = {}, {}
+    for value in values:
+        monkeypatch.setenv(variable, value)
+        step = jax.jit(lambda m, c, x, s: m(x, start=s, cache=c))
+        args = (model, cache, ids[:, 5:6], jnp.asarray(5, jnp.int32))
+        programs[value] = step.lower(*args).as_text()
+        outputs[value] = (np.asarray(step(*args)[0]), np.asarray(jax.jit(lambda m, x: m(x))(model, ids)))
+    return programs, outputs
 
 
 def _with_ffi_kernels(model, policy_map):
@@ -490,15 +498,7 @@ def test_projections_sharing_an_input_run_as_one_kernel_call_with_the_same_logit
                            f"tiny/block_{b}/mlp/up": "int4/8_from_float32"})
         policy_map, groups = policies.DTypePolicyMap("float32", layers), {"int4": SMALL.blocks, "int8": 0}
     model = _with_ffi_kernels(small, policy_map)
-    ids = jnp.array([[3, 17, 5, 39, 0, 8]], jnp.int32)
-    _, cache = generation.prefill(model, model.init_cache(1, 16), ids[:, :5])
-    outputs, programs = {}, {}
-    for env in ("1", "0"):
-        monkeypatch.setenv("AUTOPOLICY_GROUPED_PROJECTIONS", env)
-        step = jax.jit(lambda m, c, x, s: m(x, start=s, cache=c))  # traced afresh: the variable is read then
-        args = (model, cache, ids[:, 5:6], jnp.asarray(5, jnp.int32))
-        programs[env] = step.lower(*args).as_text()
-        outputs[env] = (np.asarray(step(*args)[0]), np.asarray(jax.jit(lambda m, x: m(x))(model, ids)))
+    programs, outputs = _steps_under(model, monkeypatch, "AUTOPOLICY_GROUPED_PROJECTIONS", ("1", "0"))
     for mode, count in groups.items():  # several devices: the layers' own calls (the FFI kernels' rule)
         expected = count if jax.device_count() == 1 else 0
         assert programs["1"].count(f"custom_call @autopolicy_{mode}_dense_group") == expected
