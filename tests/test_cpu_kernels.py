@@ -793,6 +793,10 @@ def test_the_device_command_names_the_cpu_and_kernels(capsys):
         assert out[3].endswith(f"; in use: {cpu_kernels.path()}; threads a call splits for: as many as XLA's pool has")
     if cpu_weight_only.AVAILABLE:  # then one more line: the weight-only kernel's variant
         assert out.pop(4) == f"weight-only (GPTQ/AWQ) kernel: {cpu_weight_only.variant()} variant"
+    if cpu_kernels.AVAILABLE:  # and whether projections sharing an input run as one call
+        state = ("on (one int8/int4 call where their policies and kernels agree)" if jax.device_count() == 1
+                 else f"off here: {jax.device_count()} devices (the FFI kernels run on one)")
+        assert out.pop(4) == f"projections sharing an input (q/k/v, gate/up): {state}"
     assert out[5].startswith("int4 kernels timed by the search here: xla") and "(default without a measurement: xla)" in out[5]
     ffi = ", cpu_ffi" if cpu_weight_only.AVAILABLE and jax.device_count() == 1 else ""
     if ffi and cpu_kernels.kernel_distinct_on("cpu_ffi_avx2", current_device().cpu_features):
@@ -861,7 +865,7 @@ def test_decode_attention_names_bad_operands():
 
 @needs_kernels
 @on_cpu_backend
-def test_the_tuners_fingerprint_names_the_kernel_path_and_build(path_restored):
+def test_the_tuners_fingerprint_names_the_kernel_path_and_build(path_restored, monkeypatch):
     # Cached timings of one build's kernels, or of another path, are not this one's.
     from autopolicy.search import hardware
 
@@ -880,6 +884,12 @@ def test_the_tuners_fingerprint_names_the_kernel_path_and_build(path_restored):
         assert hardware.fingerprint() != hardware.fingerprint(info)
     finally:
         cpu_kernels.set_threads(None)
+    assert hardware.fingerprint() == hardware.fingerprint(info)
+    # Projections called one by one time a decoder otherwise too.
+    monkeypatch.setenv("AUTOPOLICY_GROUPED_PROJECTIONS", "0")
+    assert hardware.detect()["cpu_kernels"]["grouped_projections"] is False
+    assert hardware.fingerprint() != hardware.fingerprint(info)
+    monkeypatch.delenv("AUTOPOLICY_GROUPED_PROJECTIONS")
     assert hardware.fingerprint() == hardware.fingerprint(info)
 
 

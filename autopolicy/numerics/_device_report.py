@@ -33,6 +33,15 @@ def device_report() -> str:
                      f"threads a call splits for: {split}")
         if cpu_weight_only.AVAILABLE:
             lines.append(f"weight-only (GPTQ/AWQ) kernel: {cpu_weight_only.variant()} variant")
+        from autopolicy.nn import _grouping  # pylint: disable=import-outside-toplevel
+
+        if not _grouping.enabled():
+            state = f"off ({_grouping.GROUPED_ENV}=0): one call per projection"
+        elif jax.device_count() != 1:
+            state = f"off here: {jax.device_count()} devices (the FFI kernels run on one)"
+        else:
+            state = "on (one int8/int4 call where their policies and kernels agree)"
+        lines.append(f"projections sharing an input (q/k/v, gate/up): {state}")
     else:
         lines.append(f"cpu kernels: not available ({cpu_kernels.unavailable_reason()}): XLA kernels only")
     for mode in ("int8", "int4", "float8", "gptq", "awq"):
