@@ -847,6 +847,27 @@ def test_decode_attention_matches_a_float64_reference(path, d, g, length, path_r
 
 
 @needs_kernels
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("length", [40, 100])  # the scalar exp's tail alone; whole vectors too
+def test_decode_attention_weighs_a_minus_infinite_logit_as_nothing(path, length, path_restored):
+    """A key of -inf (a logit of -inf) takes no weight, as XLA's softmax gives it, on each path:
+    the vectorized exp once clamped it to NaN (x * 0 - 87.3 is NaN at -inf), which made the whole
+    head NaN."""
+    cpu_kernels.set_path(path)
+    rng = np.random.default_rng(length)
+    q = np.abs(rng.standard_normal((1, 1, 2, 64))).astype(np.float32) / 8 + 0.01  # every q > 0
+    keys = rng.standard_normal((1, 1, 64, length)).astype(np.float32)
+    values = rng.standard_normal((1, 1, length, 64)).astype(np.float32)
+    keys[0, 0, 0, 3] = keys[0, 0, 0, length - 7] = -np.inf  # those positions' logits: -inf
+    got = np.asarray(jax.jit(cpu_kernels.decode_attention)(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values),
+                                                          jnp.asarray(length - 1, jnp.int32)))
+    assert np.isfinite(got).all()
+    kept = np.setdiff1d(np.arange(length), [3, length - 7])
+    expected = _attention_ref(q, keys[..., kept], values[:, :, kept], len(kept) - 1)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=2e-6)
+
+
+@needs_kernels
 def test_decode_attention_names_bad_operands():
     q, k, v = jnp.ones((1, 2, 3, 8)), jnp.ones((1, 2, 8, 16)), jnp.ones((1, 2, 16, 8))
     pos = jnp.asarray(3, jnp.int32)

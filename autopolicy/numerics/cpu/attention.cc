@@ -24,7 +24,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -97,13 +96,14 @@ struct Lanes {
 // or a vector T of them: Cephes' expf (the range reduced by n = round(x / ln 2) in two parts, a
 // degree-6 polynomial, 2^n put in the exponent bits). A call of std::exp per element was most of
 // the call's time (2304 of them a SmolLM2 block). Below -87.3 (2^-126, where float32 turns
-// subnormal) it returns exp(-87.3), about 1e-38: nothing beside the largest term's 1. `to_bits`
-// turns n + 127 (a whole number, as T) into the float whose exponent it is.
+// subnormal), -inf included (a logit of -inf), it returns exp(-87.3), about 1e-38: nothing
+// beside the largest term's 1. `to_bits` turns n + 127 (a whole number, as T) into the float
+// whose exponent it is.
 template <typename T, typename ToBits>
 __attribute__((always_inline)) inline T exp_nonpositive(T x, ToBits to_bits) {
   constexpr float kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-  const T low = x * 0.0f - 87.3365447505f;
+  const T low = T{} - 87.3365447505f;  // (not x * 0 - 87.3: NaN for x = -inf, left unclamped)
   x = x < low ? low : x;
   const T n = (x * kLog2e + kMagic) - kMagic;
   T r = x - n * kC1;
@@ -118,6 +118,7 @@ __attribute__((always_inline)) inline T exp_nonpositive(T x, ToBits to_bits) {
 }
 
 __attribute__((always_inline)) inline float exp_scalar(float x) {
+  if (std::isnan(x)) return x;  // (its exponent bits would come from a NaN cast to int)
   return exp_nonpositive(x, [](float e) {
     const int32_t bits = static_cast<int32_t>(e) << 23;
     float v;
@@ -314,16 +315,15 @@ void attend(ffi::ThreadPool& pool, const Shape& sh, const float* q, const float*
   const bool serial = heads * length * d * 8 <= serial_max_bytes();
   const int64_t threads = serial ? 1 : call_threads(pool.num_threads());
   const int64_t chunks = (length + kChunkPositions - 1) / kChunkPositions;
-  const int64_t parts = std::max<int64_t>(
+  // One thread: one part a head, so a call's result does not depend on the threads it is split for.
+  const int64_t parts = threads <= 1 ? 1 : std::max<int64_t>(
       1, std::min({(2 * threads + heads - 1) / heads, chunks / kPartMinChunks, kMaxParts}));
   const int64_t per_part = (chunks + parts - 1) / parts * kChunkPositions;
   const int64_t tasks = heads * parts;
-  // Every part writes all of its logits, partial sums, tops and sums: no need to clear them.
-  std::unique_ptr<float[]> logits(new float[static_cast<size_t>(tasks * g * per_part)]);
+  // Partial sums stay zero for the empty parts (weighed 0 below, but read).
   std::vector<float> partial(static_cast<size_t>(tasks * g * d));
   std::vector<float> tops(static_cast<size_t>(tasks * g)), sums(static_cast<size_t>(tasks * g));
   const PartFn fn = part_kernel();
-  float* lp = logits.get();
   float* pp = partial.data();
   float* tp = tops.data();
   float* sp = sums.data();
@@ -334,8 +334,12 @@ void attend(ffi::ThreadPool& pool, const Shape& sh, const float* q, const float*
       for (int64_t j = 0; j < g; ++j) tp[t * g + j] = -INFINITY, sp[t * g + j] = 0.0f;
       return;
     }
+    // Each thread's logits scratch, kept across calls (written in full before it is read): a
+    // buffer for every part at once would be batch x heads x groups x length floats.
+    thread_local std::vector<float> logits;
+    if (logits.size() < static_cast<size_t>(g * per_part)) logits.resize(static_cast<size_t>(g * per_part));
     fn(shape, q + bh * g * d, keys + bh * d * shape.max_length, values + bh * shape.max_length * d, s0, n,
-       lp + t * g * per_part, pp + t * g * d, tp + t * g, sp + t * g);
+       logits.data(), pp + t * g * d, tp + t * g, sp + t * g);
   });
   for (int64_t bh = 0; bh < heads; ++bh) {
     for (int64_t j = 0; j < g; ++j) {
