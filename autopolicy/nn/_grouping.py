@@ -13,7 +13,6 @@ building, or ``AUTOPOLICY_GROUPED_PROJECTIONS=0`` (read when a call is traced).
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Sequence
 
 import jax.numpy as jnp
@@ -22,16 +21,9 @@ from autopolicy.nn import _context, activations
 from autopolicy.nn._quantizable import QuantizableKernel
 from autopolicy.numerics import _sharding, grouped, modes
 
-__all__ = ["GROUPED_ENV", "enabled", "call_on_shared_input", "group_keys"]
+__all__ = ["GROUPED_ENV", "call_on_shared_input", "group_keys"]
 
-#: Set to 0 to call every projection on its own (for A/B timing).
-GROUPED_ENV = "AUTOPOLICY_GROUPED_PROJECTIONS"
-
-
-def enabled() -> bool:
-    """Whether projections sharing an input may run as one call (``AUTOPOLICY_GROUPED_PROJECTIONS``
-    is not ``0``); read when a call is traced."""
-    return os.environ.get(GROUPED_ENV, "").strip() not in ("0", "false", "False")
+GROUPED_ENV = grouped.GROUPED_ENV
 
 
 def _contracted(layer: QuantizableKernel, ndim: int) -> int | None:
@@ -87,7 +79,7 @@ def _observed() -> bool:
 def call_on_shared_input(layers: Sequence[Any], x: Any) -> list[Any]:
     """``[layer(x) for layer in layers]``, the layers whose products can share one call of the CPU
     kernels (two or more of one key, :func:`group_keys`) computed in one."""
-    if not enabled() or len(layers) < 2 or _observed():
+    if not grouped.enabled() or len(layers) < 2 or _observed():
         return [layer(x) for layer in layers]
     keys = group_keys(layers, x)
     members: dict[tuple, list[int]] = {}

@@ -33,10 +33,10 @@ def device_report() -> str:
                      f"threads a call splits for: {split}")
         if cpu_weight_only.AVAILABLE:
             lines.append(f"weight-only (GPTQ/AWQ) kernel: {cpu_weight_only.variant()} variant")
-        from autopolicy.nn import _grouping  # pylint: disable=import-outside-toplevel
+        from autopolicy.numerics import grouped  # pylint: disable=import-outside-toplevel
 
-        if not _grouping.enabled():
-            state = f"off ({_grouping.GROUPED_ENV}=0): one call per projection"
+        if not grouped.enabled():
+            state = f"off ({grouped.GROUPED_ENV}=0): one call per projection"
         elif jax.device_count() != 1:
             state = f"off here: {jax.device_count()} devices (the FFI kernels run on one)"
         else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any, Sequence
 
 import jax
@@ -23,10 +24,18 @@ import jax.numpy as jnp
 
 from autopolicy.numerics import cpu_kernels, int4, int8
 
-__all__ = ["GROUPED_MODES", "matrix_weights", "grouped_products", "can_group"]
+__all__ = ["GROUPED_MODES", "GROUPED_ENV", "enabled", "matrix_weights", "grouped_products", "can_group"]
 
 #: The quantization modes whose products group.
 GROUPED_MODES = ("int8", "int4")
+#: Set to 0 to call every projection on its own (``autopolicy.nn``'s layers; for A/B timing).
+GROUPED_ENV = "AUTOPOLICY_GROUPED_PROJECTIONS"
+
+
+def enabled() -> bool:
+    """Whether layers sharing an input may run as one call (``AUTOPOLICY_GROUPED_PROJECTIONS`` is
+    not ``0``); read when a call is traced."""
+    return os.environ.get(GROUPED_ENV, "").strip() not in ("0", "false", "False")
 
 
 def can_group(mode: str | None, kernel: str | None, dtype: Any) -> bool:

@@ -95,14 +95,14 @@ def detect() -> dict[str, Any]:
         # them, the threads a call splits for where set (AUTOPOLICY_CPU_THREADS), and projections
         # called one by one where grouping is off (AUTOPOLICY_GROUPED_PROJECTIONS=0): timings of
         # another build, path, thread count or grouping are not this one's.
-        from autopolicy.nn import _grouping  # pylint: disable=import-outside-toplevel
+        from autopolicy.numerics import grouped  # pylint: disable=import-outside-toplevel
 
         info["cpu_kernels"] = None
         if cpu_kernels.AVAILABLE:
             threads = cpu_kernels.threads()
             info["cpu_kernels"] = {"path": cpu_kernels.path(), "build": cpu_kernels.build_id(),
                                    **({} if threads is None else {"threads": threads}),
-                                   **({} if _grouping.enabled() else {"grouped_projections": False})}
+                                   **({} if grouped.enabled() else {"grouped_projections": False})}
     capability = getattr(device, "compute_capability", None)
     if capability is not None:
         info["compute_capability"] = str(capability)
