@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import smollm2  # noqa: E402
 
-from autopolicy.nn import _grouping  # noqa: E402
+from autopolicy.numerics import grouped as grouping  # noqa: E402
 from autopolicy.numerics import cpu_kernels  # noqa: E402
 from autopolicy.search import hardware  # noqa: E402
 
@@ -52,15 +52,15 @@ def compiled_loop(model, steps: int, grouped: bool):
 
     cache = model.init_cache(1, smollm2.CACHE)
     token = jnp.zeros((1,), jnp.int32)
-    before = os.environ.get(_grouping.GROUPED_ENV)
-    os.environ[_grouping.GROUPED_ENV] = "1" if grouped else "0"
+    before = os.environ.get(grouping.GROUPED_ENV)
+    os.environ[grouping.GROUPED_ENV] = "1" if grouped else "0"
     try:
         program = jax.jit(loop, donate_argnums=1).lower(leaves, cache, token).compile()
     finally:
         if before is None:
-            os.environ.pop(_grouping.GROUPED_ENV)
+            os.environ.pop(grouping.GROUPED_ENV)
         else:
-            os.environ[_grouping.GROUPED_ENV] = before
+            os.environ[grouping.GROUPED_ENV] = before
     text = program.as_text() or ""
     return (lambda c: program(leaves, c, token)), cache, text.count("dense_group")
 

@@ -7,7 +7,8 @@ run the same FFI kernel in one call (:mod:`autopolicy.numerics.grouped`), the sa
 bit. Each layer keeps its own policy: a tuned map that gives the query int8 and the key and value
 int4 groups the key and value alone. Layers are called one by one where anything observes them
 one by one: a hook (the search's probes, calibration), a parent compiled by parts, a parent still
-building, or ``AUTOPOLICY_GROUPED_PROJECTIONS=0`` (read when a call is traced).
+building; and with several devices, or ``AUTOPOLICY_GROUPED_PROJECTIONS=0`` (read when a call is
+traced: :func:`autopolicy.numerics.grouped.enabled`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ from autopolicy.nn import _context, activations
 from autopolicy.nn._quantizable import QuantizableKernel
 from autopolicy.numerics import _sharding, grouped, modes
 
-__all__ = ["GROUPED_ENV", "call_on_shared_input", "group_keys"]
-
-GROUPED_ENV = grouped.GROUPED_ENV
+__all__ = ["call_on_shared_input", "group_keys"]
 
 
 def _contracted(layer: QuantizableKernel, ndim: int) -> int | None:

@@ -167,14 +167,11 @@ __attribute__((always_inline)) inline void softmax_parts(float* logits, int64_t 
   }
 }
 
-// The same two products for a head_dim known when compiled (a multiple of 16: SmolLM2's 64,
-// 128), in vectors of W floats (GCC's vector extensions: W = 16 one ZMM register under AVX-512,
-// 8 one YMM under AVX2, 4 one XMM at the baseline) held in registers: 4 vectors of sums per query
-// head, up to G heads at once, each key or value row loaded once for all of them. Written as
-// plain loops over a runtime head_dim, the compiler kept the sums in memory; with these and the
-// vectorized exp a SmolLM2 block's call took 18.5 us against 42 us, with its 30 blocks' caches
-// in a chain (2-core Zen 4 EPYC, AVX-512; 12.8 against 29 us on one block's, in cache).
-// logits for G query heads at once over whole chunks of CV vectors of positions (up to `whole`).
+// The two products for a head_dim known when compiled (64: SmolLM2's, or 128), in vectors of
+// Lanes<W> held in registers, each key or value row loaded once for every query head taken at
+// once (head_fixed says how many). Written as plain loops over a runtime head_dim, the compiler
+// kept the sums in memory.
+// The logits of G query heads over whole chunks of CV vectors of positions (up to `whole`).
 template <int W, int CV, int D, int G>
 __attribute__((always_inline)) inline void logits_groups(const float* q, const float* k, int64_t stride, int64_t whole,
                                                          int64_t length, float* logits) {
@@ -251,7 +248,7 @@ __attribute__((always_inline)) inline void head_fixed(const float* q, int64_t gr
 
 // One key/value head over the positions [s0, s0 + n) of its cache (kh: (d, max_length), vh:
 // (max_length, d)): out (groups x d) = sum_s exp(logit_s - top) v_s, unnormalized, with each query
-// head's top and sum of exponentials (the parts of a head are merged after: DecodeAttentionImpl).
+// head's top and sum of exponentials (the parts of a head are merged after: attend).
 template <int W, int kMaxG>
 __attribute__((always_inline)) inline void head_part(const Shape& sh, const float* qh, const float* kh,
                                                      const float* vh, int64_t s0, int64_t n, float* logits,
@@ -300,8 +297,8 @@ PartFn part_kernel() {
   return part_baseline;
 }
 
-// Positions a part takes: whole chunks of 64 (the vector loops'), at least kPartMinChunks of them.
-constexpr int64_t kChunkPositions = 64, kPartMinChunks = 1, kMaxParts = 64;
+// Positions a part takes: whole chunks of 64 (the vector loops'); at most kMaxParts parts a head.
+constexpr int64_t kChunkPositions = 64, kMaxParts = 64;
 
 // The attention of every (batch row, key/value head), each head's positions split into parts of
 // whole 64-position chunks where there are more threads than heads to share (a SmolLM2 block's 3
@@ -317,7 +314,7 @@ void attend(ffi::ThreadPool& pool, const Shape& sh, const float* q, const float*
   const int64_t chunks = (length + kChunkPositions - 1) / kChunkPositions;
   // One thread: one part a head, so a call's result does not depend on the threads it is split for.
   const int64_t parts = threads <= 1 ? 1 : std::max<int64_t>(
-      1, std::min({(2 * threads + heads - 1) / heads, chunks / kPartMinChunks, kMaxParts}));
+      1, std::min({(2 * threads + heads - 1) / heads, chunks, kMaxParts}));
   const int64_t per_part = (chunks + parts - 1) / parts * kChunkPositions;
   const int64_t tasks = heads * parts;
   // Partial sums stay zero for the empty parts (weighed 0 below, but read).

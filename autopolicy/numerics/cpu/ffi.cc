@@ -7,7 +7,6 @@
 // the rescale (and bias) after run here too (quantize.cc), not as XLA ops around the call; the
 // grouped dense targets do several products of one input in one call. No state across calls.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -54,7 +53,7 @@ Runner runner_for(ffi::ThreadPool& pool, int64_t work_bytes) {
 // Runs body(t) for t in [0, tasks), on the helpers and the calling thread (parallel.h).
 template <typename Body>
 void parallel_tasks(const Runner& run_on, int64_t tasks, Body body) {
-  share_tasks(*run_on.pool, tasks, run_on.serial ? 1 : run_on.threads(), body);
+  share_tasks(*run_on.pool, tasks, run_on.threads(), body);
 }
 
 // Runs body(n0, n1) over [0, n) in one chunk per thread.

@@ -6,9 +6,7 @@
 // AUTOPOLICY_CPU_SPIN_US=0) when the weights are large enough to repay the hand-off (smaller
 // products stay on the calling thread). No state across calls.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
