@@ -14,10 +14,12 @@
 //   - each task (a block of rows times a block of at most kGemmCols columns) packs the weights of
 //     one K chunk at a time into strips of Tile::NR columns, [strip][group][column] words (int4
 //     nibbles unpacked there; VNNI: each byte offset to unsigned, int8 w xor 0x80 = w + 128, int4
-//     v xor 8 = v + 8); the chunk (about Tile::kPanelBytes: fewer K rows for wider blocks) stays in
-//     L2 and the strip the micro-kernel walks in L1. Wide column blocks matter: packing reads a
-//     piece of each weight row, and rows are a page apart at N = 4096, so short pieces leave the
-//     hardware prefetchers nothing to stream and packing waits on memory latency;
+//     v xor 8 = v + 8); the chunk is about Tile::kPanelBytes (fewer K rows for wider blocks), each
+//     strip of it stays in cache while the row tiles walk it, and each tile's int32 sums are
+//     loaded and stored once a chunk (so deep chunks pay that less often). Wide column blocks
+//     matter: packing reads a piece of each weight row, and rows are a page apart at N = 4096, so
+//     short pieces leave the hardware prefetchers nothing to stream and packing waits on memory
+//     latency;
 //   - the micro-kernel (Tile::micro) holds an MR x NR tile of int32 sums in registers: per group
 //     it loads a strip's NR columns, broadcasts MR x words and runs one multiply-add per row and
 //     vector;
@@ -235,7 +237,8 @@ struct Ymm4x24 {
 };
 
 // The K groups of one packed chunk for `width` columns: the chunk (groups x width words) near
-// Tile::kPanelBytes, so it stays in L2, and wide column blocks read long pieces of each weight row.
+// Tile::kPanelBytes (and at most Tile::kDepthRows deep); wide column blocks read long pieces of
+// each weight row.
 template <class Tile>
 int64_t chunk_groups(int64_t width) {
   const int64_t padded = (width + Tile::NR - 1) / Tile::NR * Tile::NR;

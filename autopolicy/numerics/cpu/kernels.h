@@ -42,8 +42,12 @@ using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8
 // kGemmPanelBytes (fewer rows for wider tasks); on vpdpbusd: K chunks of at most kVnniGemmDepth
 // rows (a multiple of 4) packed into about kVnniPanelBytes, tiles of 8 x 48 (AVX512-VNNI, ZMM:
 // gemm_vnni.cc) and 4 x 24 (AVX-VNNI, YMM: gemm_tiles.h's Ymm4x24).
-constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 256, kGemmCols = 1024;
-constexpr int64_t kGemmPanelBytes = 192 * 1024;
+// AVX2's deep chunks (2048 rows, 1 MB; were 256 rows, 192 KB) load and store each tile's sums less
+// often: paired against the shallow ones (experiments/ab_cpu_kernels.py, 2-core AMD EPYC Zen 3,
+// AVX2), int8 4096 x 4096 ran 1.13x [1.11-1.13] at batch 256 and 1.09x at 64, the 576-wide
+// layers 0.98-1.05x (two runs). The VNNI chunks were not re-measured (no VNNI CPU at the time).
+constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 2048, kGemmCols = 1024;
+constexpr int64_t kGemmPanelBytes = 1024 * 1024;
 constexpr int64_t kVnniGemmDepth = 512, kVnniPanelBytes = 192 * 1024;
 
 // How a path's GEMMs take x: packed once per call, before the work is split, into panels of
