@@ -42,11 +42,15 @@ using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8
 // kGemmPanelBytes (fewer rows for wider tasks); on vpdpbusd: K chunks of at most kVnniGemmDepth
 // rows (a multiple of 4) packed into about kVnniPanelBytes, tiles of 8 x 48 (AVX512-VNNI, ZMM:
 // gemm_vnni.cc) and 4 x 24 (AVX-VNNI, YMM: gemm_tiles.h's Ymm4x24).
-// AVX2's deep chunks (2048 rows, 1 MB; were 256 rows, 192 KB) load and store each tile's sums less
-// often: paired against the shallow ones (experiments/ab_cpu_kernels.py, 2-core AMD EPYC Zen 3,
-// AVX2), int8 4096 x 4096 ran 1.13x [1.11-1.13] at batch 256 and 1.09x at 64, the 576-wide
-// layers 0.98-1.05x (two runs). The VNNI chunks were not re-measured (no VNNI CPU at the time).
-constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 2048, kGemmCols = 1024;
+// AVX2's chunks: up to 512 rows, so a strip (24 columns, 256 K pairs: 24 KB) stays in L1 while the
+// row tiles walk it, in a panel of up to 1 MB (were 192 KB), so wide tasks keep deep chunks too
+// (a 1024-wide task: 508 rows, where 192 KB allowed 94) and load and store each tile's int32 sums
+// less often. Paired against 256 rows in 192 KB (experiments/ab_cpu_kernels.py, 2-core AMD EPYC
+// Zen 3, AVX2): int8 4096 x 4096 1.13x [1.11-1.13] at batch 256 and 1.09x at 64, the 576-wide
+// layers 0.94-1.07x. Chunks of up to 2048 rows (strips past L1 on narrow tasks of long K) ran
+// 0.93-0.98x of these on 1536 x 576 at batch 64 and the same elsewhere (two runs of 15 rounds).
+// The VNNI chunks were not re-measured (no VNNI CPU at the time).
+constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 512, kGemmCols = 1024;
 constexpr int64_t kGemmPanelBytes = 1024 * 1024;
 constexpr int64_t kVnniGemmDepth = 512, kVnniPanelBytes = 192 * 1024;
 
