@@ -48,7 +48,7 @@ using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8
 // less often. Paired against 256 rows in 192 KB (experiments/ab_cpu_kernels.py, 2-core AMD EPYC
 // Zen 3, AVX2): int8 4096 x 4096 1.13x [1.11-1.13] at batch 256 and 1.09x at 64, the 576-wide
 // layers 0.94-1.07x. Chunks of up to 2048 rows (strips past L1 on narrow tasks of long K) ran
-// 0.93-0.98x of these on 1536 x 576 at batch 64 and the same elsewhere (two runs of 15 rounds).
+// 0.93-0.95x of these on 1536 x 576 at batch 64 and the same elsewhere (two runs of 15 rounds).
 // The VNNI chunks were not re-measured (no VNNI CPU at the time).
 constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 512, kGemmCols = 1024;
 constexpr int64_t kGemmPanelBytes = 1024 * 1024;
