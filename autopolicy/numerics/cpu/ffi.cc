@@ -131,9 +131,10 @@ void int8_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
   const Runner run_on = runner_for(pool, m * k * n);
   if (path.int8_gemm != nullptr && m >= gemm_min_rows(path, false) && k > 0) {
     const GemmX& layout = *path.gemm_x;
-    std::vector<int32_t> xq(static_cast<size_t>(layout.words(m, k, k)));
-    layout.pack(xp, m, k, k, xq.data());
-    const int32_t* a = xq.data();
+    // Left uninitialized: the pack writes every word.
+    std::unique_ptr<int32_t[]> xq(new int32_t[static_cast<size_t>(layout.words(m, k, k))]);
+    layout.pack(xp, m, k, k, xq.get());
+    const int32_t* a = xq.get();
     Int8GemmFn gemm = path.int8_gemm;
     parallel_tiles(run_on, m, n, layout.rows, layout.strip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, r0, r1, n0, n1, out);
@@ -175,9 +176,9 @@ void int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
   if (path.int4_gemm != nullptr && (groups == 1 || block % path.gemm_x->k_group == 0) &&
       m >= gemm_min_rows(path, true)) {
     const GemmX& layout = *path.gemm_x;
-    std::vector<int32_t> xq(static_cast<size_t>(layout.words(m, k, block)));
-    layout.pack(xp, m, k, block, xq.data());
-    const int32_t* a = xq.data();
+    std::unique_ptr<int32_t[]> xq(new int32_t[static_cast<size_t>(layout.words(m, k, block))]);
+    layout.pack(xp, m, k, block, xq.get());
+    const int32_t* a = xq.get();
     Int4GemmFn gemm = path.int4_gemm;
     parallel_tiles(run_on, m, n, layout.rows, layout.strip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, block, sp, r0, r1, n0, n1, yp);
@@ -299,14 +300,31 @@ ffi::Error check_floats(const char* what, const ffi::AnyBuffer& x, const ffi::An
 
 // Rows of x quantized: int8 values and one scale per row.
 struct QuantizedRows {
-  std::vector<int8_t> q;
+  std::unique_ptr<int8_t[]> q;  // every value written by the quantizer (no zeroing first)
   std::vector<float> scale;
 };
 
-QuantizedRows quantize(const ffi::AnyBuffer& x) {
+// Rows of x quantized on the threads where x has at least kParallelQuantize values, each thread
+// a run of rows (each row on its own, so any split gives the same values).
+constexpr int64_t kParallelQuantize = 1 << 16;
+
+QuantizedRows quantize(ffi::ThreadPool& pool, const ffi::AnyBuffer& x) {
   auto xd = x.dimensions();
-  QuantizedRows rows{std::vector<int8_t>(static_cast<size_t>(xd[0] * xd[1])), std::vector<float>(static_cast<size_t>(xd[0]))};
-  quantize_rows(x.untyped_data(), x.element_type() == ffi::DataType::BF16, xd[0], xd[1], rows.q.data(), rows.scale.data());
+  const int64_t m = xd[0], k = xd[1];
+  QuantizedRows rows{std::unique_ptr<int8_t[]>(new int8_t[static_cast<size_t>(m * k)]),
+                     std::vector<float>(static_cast<size_t>(m))};
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const char* data = static_cast<const char*>(x.untyped_data());
+  const int64_t row_bytes = k * (bf16 ? 2 : 4);
+  int8_t* q = rows.q.get();
+  float* scale = rows.scale.data();
+  if (m == 0) return rows;
+  const Runner run_on{&pool, m < 2 || m * k < kParallelQuantize};
+  const int64_t tasks = std::min(m, run_on.threads()), step = (m + tasks - 1) / tasks;
+  parallel_tasks(run_on, (m + step - 1) / step, [=](int64_t t) {
+    const int64_t r0 = t * step, r1 = std::min(m, r0 + step);
+    quantize_rows(data + r0 * row_bytes, bf16, r1 - r0, k, q + r0 * k, scale + r0);
+  });
   return rows;
 }
 
@@ -324,12 +342,12 @@ ffi::Error Int8DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
     return bad(std::string(what) + ": the kernel scale must have N = " + std::to_string(n) + " values; it is " +
                dims_of(w_scale.dimensions()));
   if (ffi::Error e = check_floats(what, x, &bias, out, n); e.failure()) return e;
-  const QuantizedRows xq = quantize(x);
+  const QuantizedRows xq = quantize(pool, x);
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
   // A float32 output holds the int32 sums until the rescale overwrites each in place.
   std::vector<int32_t> scratch(bf16 ? static_cast<size_t>(m * n) : 0);
   int32_t* acc = bf16 ? scratch.data() : static_cast<int32_t*>(out->untyped_data());
-  int8_product(pool, *path, xq.q.data(), m, k, w.typed_data(), n, acc);
+  int8_product(pool, *path, xq.q.get(), m, k, w.typed_data(), n, acc);
   const float* xs = xq.scale.data();
   const float* ws = w_scale.typed_data();
   const void* b = bias.element_count() ? bias.untyped_data() : nullptr;
@@ -350,11 +368,11 @@ ffi::Error Int4DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = w.dimensions().size() == 2 ? w.dimensions()[1] : 0;
   if (ffi::Error e = check_int4(what, k, w.dimensions(), scale.dimensions(), block); e.failure()) return e;
   if (ffi::Error e = check_floats(what, x, &bias, out, n); e.failure()) return e;
-  const QuantizedRows xq = quantize(x);
+  const QuantizedRows xq = quantize(pool, x);
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
   std::vector<float> scratch(bf16 ? static_cast<size_t>(m * n) : 0);
   float* y = bf16 ? scratch.data() : static_cast<float*>(out->untyped_data());
-  int4_product(pool, *path, xq.q.data(), m, k, w.typed_data(), n, block, scale.typed_data(), y);
+  int4_product(pool, *path, xq.q.get(), m, k, w.typed_data(), n, block, scale.typed_data(), y);
   const float* xs = xq.scale.data();
   const void* b = bias.element_count() ? bias.untyped_data() : nullptr;
   void* o = out->untyped_data();
@@ -429,7 +447,7 @@ ffi::Error GroupedDense(ffi::ThreadPool& pool, const char* what, bool int4, cons
   std::vector<Member> members;
   if (ffi::Error e = members_of(what, int4, x, args, rets, int4 ? block : 1, members); e.failure()) return e;
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
-  const QuantizedRows xq = quantize(x);
+  const QuantizedRows xq = quantize(pool, x);
   // bfloat16 outputs take their sums in scratch (int32 or float32, 4 bytes either way).
   int64_t scratch_words = 0, total_n = 0, widest = 0;
   for (const Member& p : members) {
@@ -452,10 +470,10 @@ ffi::Error GroupedDense(ffi::ThreadPool& pool, const char* what, bool int4, cons
     // Many rows: each product as its own call takes it (the GEMM's tiles), one after another.
     for (const Member& p : members) {
       if (int4)
-        int4_product(pool, *path, xq.q.data(), m, k, static_cast<const uint8_t*>(p.w), p.n, block, p.scale,
+        int4_product(pool, *path, xq.q.get(), m, k, static_cast<const uint8_t*>(p.w), p.n, block, p.scale,
                      static_cast<float*>(p.sums));
       else
-        int8_product(pool, *path, xq.q.data(), m, k, static_cast<const int8_t*>(p.w), p.n, static_cast<int32_t*>(p.sums));
+        int8_product(pool, *path, xq.q.get(), m, k, static_cast<const int8_t*>(p.w), p.n, static_cast<int32_t*>(p.sums));
       const Member q = p;
       parallel_columns(Runner{&pool, m * p.n <= kSerialEpilogue}, p.n, kColumnsPerTask, [=](int64_t n0, int64_t n1) {
         if (int4)
@@ -481,7 +499,7 @@ ffi::Error GroupedDense(ffi::ThreadPool& pool, const char* what, bool int4, cons
       ranges.push_back(Range{static_cast<int64_t>(i), n0, std::min(members[i].n, n0 + step)});
   const Member* mp = members.data();
   const Range* rp = ranges.data();
-  const int8_t* xqp = xq.q.data();
+  const int8_t* xqp = xq.q.get();
   const bool pairs_ok = groups == 1 || block % 2 == 0;
   Int4Fn fn4 = pairs_ok ? path->int4 : int4_portable;
   Int8Fn fn8 = path->int8;

@@ -36,9 +36,19 @@ void pack_x_pairs(const int8_t* x, int64_t m, int64_t k, int32_t* a) {
   }
 }
 
+#if defined(__x86_64__)
+void pack_x_pairs_avx2(const int8_t* x, int64_t m, int64_t k, int32_t* a);
+#endif
+
 namespace {
 int64_t pairs_words(int64_t m, int64_t k, int64_t) { return (m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2); }
-void pack_pairs(const int8_t* x, int64_t m, int64_t k, int64_t, int32_t* a) { pack_x_pairs(x, m, k, a); }
+void pack_pairs(const int8_t* x, int64_t m, int64_t k, int64_t, int32_t* a) {
+#if defined(__x86_64__)
+  pack_x_pairs_avx2(x, m, k, a);  // kPairsX is the AVX2 path's
+#else
+  pack_x_pairs(x, m, k, a);
+#endif
+}
 }  // namespace
 
 const GemmX kPairsX{kGemmRows, kGemmStrip, 2, pairs_words, pack_pairs};
@@ -53,6 +63,42 @@ const GemmX kPairsX{kGemmRows, kGemmStrip, 2, pairs_words, pack_pairs};
 #include "gemm_tiles.h"
 
 namespace autopolicy_cpu {
+
+// pack_x_pairs with whole panels' pairs four at a time: eight bytes of each of the panel's four
+// rows sign-extended to int16 (four pair words a row), then the 4 x 4 words transposed so that
+// each pair's words of the four rows lie together. The rest (a panel past m, the last pairs of a
+// row) as pack_x_pairs writes them. The plain loop, a byte at a time, took a tenth of a
+// 1024 x 1536 x 384 int8 dense call's time on its calling thread (perf, 2-core Zen 3 EPYC).
+void pack_x_pairs_avx2(const int8_t* x, int64_t m, int64_t k, int32_t* a) {
+  const int64_t pairs = (k + 1) / 2, whole_panels = m / kGemmRows, vector_pairs = k / 8 * 4;
+  static_assert(kGemmRows == 4, "the transpose below is 4 x 4 words");
+  for (int64_t panel = 0; panel < whole_panels; ++panel) {
+    int32_t* dst = a + panel * pairs * kGemmRows;
+    const int8_t* row = x + panel * kGemmRows * k;
+    for (int64_t p = 0; p < vector_pairs; p += 4) {
+      __m128i r[4];
+      for (int rr = 0; rr < 4; ++rr)
+        r[rr] = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + rr * k + 2 * p)));
+      const __m128i t0 = _mm_unpacklo_epi32(r[0], r[1]), t1 = _mm_unpacklo_epi32(r[2], r[3]);
+      const __m128i t2 = _mm_unpackhi_epi32(r[0], r[1]), t3 = _mm_unpackhi_epi32(r[2], r[3]);
+      __m128i* out = reinterpret_cast<__m128i*>(dst + p * kGemmRows);
+      _mm_storeu_si128(out, _mm_unpacklo_epi64(t0, t1));
+      _mm_storeu_si128(out + 1, _mm_unpackhi_epi64(t0, t1));
+      _mm_storeu_si128(out + 2, _mm_unpacklo_epi64(t2, t3));
+      _mm_storeu_si128(out + 3, _mm_unpackhi_epi64(t2, t3));
+    }
+    for (int64_t p = vector_pairs; p < pairs; ++p)
+      for (int64_t rr = 0; rr < kGemmRows; ++rr) {
+        const int8_t* xr = row + rr * k;
+        const int32_t lo = xr[2 * p], hi = 2 * p + 1 < k ? xr[2 * p + 1] : 0;
+        dst[p * kGemmRows + rr] =
+            static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
+      }
+  }
+  if (whole_panels * kGemmRows < m)  // the last, partial panel
+    pack_x_pairs(x + whole_panels * kGemmRows * k, m - whole_panels * kGemmRows, k, a + whole_panels * pairs * kGemmRows);
+}
+
 namespace {
 
 constexpr int64_t NR = kGemmStrip;

@@ -9,12 +9,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 
 #if defined(__x86_64__)
 namespace autopolicy_cpu {
 void quantize_rows_avx2(const void* x, bool bf16, int64_t m, int64_t k, int8_t* q, float* scale);
+void rescale_int8_avx2(const int32_t* acc, int64_t m, int64_t n, const float* x_scale, const float* w_scale,
+                       const void* bias, bool bf16, int64_t n0, int64_t n1, void* out);
+void rescale_int4_avx2(const float* y, int64_t m, int64_t n, const float* x_scale, const void* bias, bool bf16,
+                       int64_t n0, int64_t n1, void* out);
 }  // namespace autopolicy_cpu
 #endif
 
@@ -84,13 +89,22 @@ void rescale_int4_as(const float* y, int64_t m, int64_t n, const float* x_scale,
   }
 }
 
+// Whether the float ends take their AVX2 loops: on every path but the portable one (each needs
+// AVX2 and FMA), which keeps to plain C++ throughout, so the tests of that path check these loops
+// against XLA too.
+bool simd_ends() {
+#if defined(__x86_64__)
+  return std::strcmp(current_path().name, "portable") != 0;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 void quantize_rows(const void* x, bool bf16, int64_t m, int64_t k, int8_t* q, float* scale) {
 #if defined(__x86_64__)
-  // Every path but the portable one needs AVX2; the portable path keeps to plain C++ throughout
-  // (so the tests of that path check this loop against XLA too).
-  if (std::strcmp(current_path().name, "portable") != 0) return quantize_rows_avx2(x, bf16, m, k, q, scale);
+  if (simd_ends()) return quantize_rows_avx2(x, bf16, m, k, q, scale);
 #endif
   if (bf16) {
     quantize_rows_as(static_cast<const uint16_t*>(x), m, k, q, scale);
@@ -101,6 +115,9 @@ void quantize_rows(const void* x, bool bf16, int64_t m, int64_t k, int8_t* q, fl
 
 void rescale_int8(const int32_t* acc, int64_t m, int64_t n, const float* x_scale, const float* w_scale,
                   const void* bias, bool bf16, int64_t n0, int64_t n1, void* out) {
+#if defined(__x86_64__)
+  if (simd_ends()) return rescale_int8_avx2(acc, m, n, x_scale, w_scale, bias, bf16, n0, n1, out);
+#endif
   if (bf16) {
     rescale_int8_as(acc, m, n, x_scale, w_scale, static_cast<const uint16_t*>(bias), n0, n1,
                     static_cast<uint16_t*>(out));
@@ -111,6 +128,9 @@ void rescale_int8(const int32_t* acc, int64_t m, int64_t n, const float* x_scale
 
 void rescale_int4(const float* y, int64_t m, int64_t n, const float* x_scale, const void* bias, bool bf16,
                   int64_t n0, int64_t n1, void* out) {
+#if defined(__x86_64__)
+  if (simd_ends()) return rescale_int4_avx2(y, m, n, x_scale, bias, bf16, n0, n1, out);
+#endif
   if (bf16) {
     rescale_int4_as(y, m, n, x_scale, static_cast<const uint16_t*>(bias), n0, n1, static_cast<uint16_t*>(out));
   } else {
@@ -122,7 +142,7 @@ void rescale_int4(const float* y, int64_t m, int64_t n, const float* x_scale, co
 
 #if defined(__x86_64__)
 #pragma GCC push_options
-#pragma GCC target("avx2")
+#pragma GCC target("avx2,fma")
 #include <immintrin.h>
 
 namespace autopolicy_cpu {
@@ -171,7 +191,96 @@ void quantize_rows_avx2_as(const T* x, int64_t m, int64_t k, int8_t* q, float* s
   }
 }
 
+// Eight float32 values to bfloat16 bits (in the low 16 bits of each lane) as float_to_bf16
+// rounds them: to nearest even, a NaN to a quiet NaN.
+inline __m256i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)),
+                       _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1))),
+      16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x0040));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+inline __m256 bf16_round_trip(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(to_bf16(v), 16)); }
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+  const __m256i b = to_bf16(v);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// a * s + bias, as scale_add computes it (float32: one fused multiply-add; bfloat16: the product
+// rounded to bfloat16 first, the sum rounded on store).
+inline __m256 scale_add8(__m256 a, __m256 s, const float* bias) { return _mm256_fmadd_ps(a, s, load8(bias)); }
+inline __m256 scale_add8(__m256 a, __m256 s, const uint16_t* bias) {
+  return _mm256_add_ps(bf16_round_trip(_mm256_mul_ps(a, s)), load8(bias));
+}
+
+// Columns [n0, n1) of each row of the output in steps of eight: full steps in place, the last
+// (fewer than eight) through zero-padded copies, so every value takes the same vector operations.
+// step(a, s, bias, c) computes eight outputs from eight sums a at column c, scales s and bias.
+template <typename T, typename Sums, typename Scale>
+void rescale_rows_avx2(const Sums* sums, int64_t m, int64_t n, Scale scale_of, const T* bias, int64_t n0,
+                       int64_t n1, T* out) {
+  for (int64_t r = 0; r < m; ++r) {
+    int64_t c = n0;
+    auto step = [&](const Sums* a_at, const T* b_at, int64_t col, T* o_at) {
+      __m256 a;
+      if constexpr (std::is_same_v<Sums, int32_t>) {
+        a = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_at)));
+      } else {
+        a = _mm256_loadu_ps(a_at);
+      }
+      const __m256 s = scale_of(r, col);
+      store8(o_at, b_at != nullptr ? scale_add8(a, s, b_at) : _mm256_mul_ps(a, s));
+    };
+    for (; c + 8 <= n1; c += 8) step(sums + r * n + c, bias != nullptr ? bias + c : nullptr, c, out + r * n + c);
+    if (c < n1) {
+      const int64_t rest = n1 - c;
+      Sums a[8] = {};
+      T b[8] = {}, o[8] = {};
+      std::copy(sums + r * n + c, sums + r * n + n1, a);
+      if (bias != nullptr) std::copy(bias + c, bias + n1, b);
+      step(a, bias != nullptr ? b : nullptr, c, o);
+      std::copy(o, o + rest, out + r * n + c);
+    }
+  }
+}
+
 }  // namespace
+
+void rescale_int8_avx2(const int32_t* acc, int64_t m, int64_t n, const float* x_scale, const float* w_scale,
+                       const void* bias, bool bf16, int64_t n0, int64_t n1, void* out) {
+  // The scale of each column as the portable loop takes it: x_scale[row] * w_scale[col] (w_scale
+  // through a zero-padded copy at a row's last columns).
+  float tail[8] = {};
+  const int64_t full_end = n0 + (n1 - n0) / 8 * 8;
+  std::copy(w_scale + full_end, w_scale + n1, tail);
+  auto scale_of = [=, &tail](int64_t r, int64_t c) {
+    const __m256 ws = c < full_end ? _mm256_loadu_ps(w_scale + c) : _mm256_loadu_ps(tail);
+    return _mm256_mul_ps(_mm256_set1_ps(x_scale[r]), ws);
+  };
+  if (bf16) {
+    rescale_rows_avx2(acc, m, n, scale_of, static_cast<const uint16_t*>(bias), n0, n1, static_cast<uint16_t*>(out));
+  } else {
+    rescale_rows_avx2(acc, m, n, scale_of, static_cast<const float*>(bias), n0, n1, static_cast<float*>(out));
+  }
+}
+
+void rescale_int4_avx2(const float* y, int64_t m, int64_t n, const float* x_scale, const void* bias, bool bf16,
+                       int64_t n0, int64_t n1, void* out) {
+  auto scale_of = [=](int64_t r, int64_t) { return _mm256_set1_ps(x_scale[r]); };
+  if (bf16) {
+    rescale_rows_avx2(y, m, n, scale_of, static_cast<const uint16_t*>(bias), n0, n1, static_cast<uint16_t*>(out));
+  } else {
+    rescale_rows_avx2(y, m, n, scale_of, static_cast<const float*>(bias), n0, n1, static_cast<float*>(out));
+  }
+}
 
 void quantize_rows_avx2(const void* x, bool bf16, int64_t m, int64_t k, int8_t* q, float* scale) {
   if (bf16) {
