@@ -369,6 +369,24 @@ def _fused_int4_programs(block):
 def test_the_fused_int4_dense_equals_the_unfused_call(path, rows, k, n, block, dtype, with_bias, path_restored):
     """Against the XLA quantization and rescale around :func:`cpu_kernels.int4_matmul` (the
     int4 layer's ``cpu_ffi`` path before the fused call): equal bit for bit."""
+    _check_fused_int4(path, rows, k, n, block, dtype, with_bias)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "portable"])  # the paths with GEMMs
+@pytest.mark.parametrize("rows,k,n", [(20, 96, 37), (70, 1000, 37)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_fused_dense_calls_rescale_each_gemm_task_as_the_unfused_ones(path, rows, k, n, dtype, with_bias,
+                                                                          gemm_everywhere, path_restored):
+    """The GEMMs' tasks rescale their own blocks of the output (int4 per channel and in blocks,
+    int8): still equal bit for bit, bfloat16 outputs and partial tiles included."""
+    for block in ("channel", 32):
+        _check_fused_int4(path, rows, k, n, block, dtype, with_bias)
+    test_the_fused_int8_dense_equals_the_xla_path(path, rows, k, n, dtype, True, with_bias, None)
+
+
+def _check_fused_int4(path, rows, k, n, block, dtype, with_bias):
     cpu_kernels.set_path(path)
     block = k if block == "channel" else block
     x = _float_input(rows, k, rows + k * n, adversarial=True).astype(dtype)
