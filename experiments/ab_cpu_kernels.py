@@ -15,7 +15,7 @@ so no call overlaps another; each variant cycling through its own copies of the 
 other build's fused int8 and int4 layer handlers (for a build older than them: its int8 and int4
 kernels between the package's XLA quantization and rescale); and the installed build's fused
 ``cpu_kernels.int8_dense`` / ``int4_dense``. Outputs must be equal (int8, int4 per channel) bit
-for bit.
+for bit. ``--bias`` gives every layer a bias (as a model's Dense has: the fused calls add it).
 
 With ``--weight-only`` it times the GPTQ/AWQ kernel (``cpu_weight_only.weight_only_matmul``)
 of both builds instead, kernel alone, for 8 and 4 bits per channel, 4 bits in groups of 32 and
@@ -226,43 +226,48 @@ _OLD_ATTRS: dict = {}
 _OLD_WEIGHT_ONLY_ATTRS: dict = {}
 
 
-def _old_int8_layer(x, w, w_scale):
+def _old_int8_layer(x, w, w_scale, b=None):
     if _OLD_FUSED:
-        bias, out = cpu_kernels._dense_operands("int8_dense", x, w.shape[1], None, None)
+        bias, out = cpu_kernels._dense_operands("int8_dense", x, w.shape[1], b, None)
         return jax.ffi.ffi_call("ab_old_int8_dense", out)(x, w, w_scale.reshape((w.shape[1],)), bias, **_OLD_ATTRS)
     xq, xs = int8.quantize_symmetric(x, (1,))
     acc = jax.ffi.ffi_call("ab_old_int8", jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.int32))(xq, w, **_OLD_ATTRS)
-    return acc.astype(jnp.float32) * (xs * w_scale)
+    y = acc.astype(jnp.float32) * (xs * w_scale)
+    return y if b is None else y + b
 
 
-def _old_int4_layer(x, packed, scale):
+def _old_int4_layer(x, packed, scale, b=None):
     k = x.shape[1]
     if _OLD_FUSED:
-        bias, out = cpu_kernels._dense_operands("int4_dense", x, packed.shape[1], None, None)
+        bias, out = cpu_kernels._dense_operands("int4_dense", x, packed.shape[1], b, None)
         return jax.ffi.ffi_call("ab_old_int4_dense", out)(x, packed, scale, bias, block=int(k), **_OLD_ATTRS)
     xq, xs = int8.quantize_symmetric(x, (1,))
     y = jax.ffi.ffi_call("ab_old_int4", jax.ShapeDtypeStruct((x.shape[0], packed.shape[1]), jnp.float32))(
         xq, packed, scale, block=k, **_OLD_ATTRS)
-    return y * xs
+    return y * xs if b is None else y * xs + b
 
 
-def compare_layers(k: int, n: int, m: int, rounds: int, chain: int, seed: int = 0, budget: float = 64e6) -> str:
+def compare_layers(k: int, n: int, m: int, rounds: int, chain: int, seed: int = 0, budget: float = 64e6,
+                   bias: bool = False) -> str:
     """Each variant's chain cycles through its own copies of the weights, about ``budget`` bytes
-    of them (more than the L3 cache: the weights stream from memory, as a decoder's do)."""
+    of them (more than the L3 cache: the weights stream from memory, as a decoder's do). With
+    ``bias`` every layer adds one (a model's Dense does)."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
     copies = {kind: max(1, min(chain, int(budget // (k * n * per)))) for kind, per in (("f32", 4), ("int8", 1),
                                                                                     ("int4", 0.5))}
     floats = [jnp.asarray(np.random.default_rng(seed + c).standard_normal((k, n)).astype(np.float32))
               for c in range(max(copies.values()))]
-    w8 = [int8.quantize_symmetric(w, (0,)) for w in floats[:copies["int8"]]]
-    w4 = [(int4.pack_int4(q), s) for q, s in (int4.quantize_int4(w, int4.PER_CHANNEL) for w in floats[:copies["int4"]])]
+    b = jnp.asarray(rng.standard_normal((n,)).astype(np.float32)) if bias else None
+    w8 = [(*int8.quantize_symmetric(w, (0,)), b) for w in floats[:copies["int8"]]]
+    w4 = [(int4.pack_int4(q), s, b) for q, s in (int4.quantize_int4(w, int4.PER_CHANNEL) for w in floats[:copies["int4"]])]
     fns = {
-        "f32": (_chain(lambda x, w: x @ w, chain), (x, [(w,) for w in floats[:copies["f32"]]])),
+        "f32": (_chain(lambda x, w, b: x @ w if b is None else x @ w + b, chain),
+                (x, [(w, b) for w in floats[:copies["f32"]]])),
         "int8 old": (_chain(_old_int8_layer, chain), (x, w8)),
-        "int8 new": (_chain(lambda x, w, s: cpu_kernels.int8_dense(x, w, s), chain), (x, w8)),
+        "int8 new": (_chain(lambda x, w, s, b: cpu_kernels.int8_dense(x, w, s, b), chain), (x, w8)),
         "int4 old": (_chain(_old_int4_layer, chain), (x, w4)),
-        "int4 new": (_chain(lambda x, p, s: cpu_kernels.int4_dense(x, p, s, k), chain), (x, w4)),
+        "int4 new": (_chain(lambda x, p, s, b: cpu_kernels.int4_dense(x, p, s, k, b), chain), (x, w4)),
     }
     for kind in ("int8", "int4"):
         a, b = (np.asarray(fns[f"{kind} {v}"][0](*fns[f"{kind} {v}"][1])) for v in ("old", "new"))
@@ -284,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--layers", action="store_true", help="time whole layers (float in, float out)")
     parser.add_argument("--chain", type=int, default=16, help="dependent layer calls per jitted program")
+    parser.add_argument("--bias", action="store_true", help="with --layers: every layer adds a bias")
     parser.add_argument("--weight-only", action="store_true", help="time the GPTQ/AWQ weight-only kernel")
     parser.add_argument("--old-path", default=None,
                         help="the SIMD path the other build runs (say, avx2 against the installed "
@@ -321,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             elif args.weight_only:
                 print(compare_weight_only(k, n, m, args.rounds), flush=True)
             elif args.layers:
-                print(compare_layers(k, n, m, args.rounds, args.chain), flush=True)
+                print(compare_layers(k, n, m, args.rounds, args.chain, bias=args.bias), flush=True)
             else:
                 print(compare(k, n, m, args.rounds), flush=True)
     return 0
