@@ -223,7 +223,7 @@ inline __m256 scale_add8(__m256 a, __m256 s, const uint16_t* bias) {
 
 // Columns [n0, n1) of each row of the output in steps of eight: full steps in place, the last
 // (fewer than eight) through zero-padded copies, so every value takes the same vector operations.
-// step(a, s, bias, c) computes eight outputs from eight sums a at column c, scales s and bias.
+// scale_of(row, col) gives the eight scales of columns col .. col + 7.
 template <typename T, typename Sums, typename Scale>
 void rescale_rows_avx2(const Sums* sums, int64_t m, int64_t n, Scale scale_of, const T* bias, int64_t n0,
                        int64_t n1, T* out) {
