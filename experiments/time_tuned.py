@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 
 from autopolicy import experiment
@@ -54,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     timer.rounds(args.rounds, list(candidates))
     speedup = confidence.paired_speedup(timer.samples["float32"], timer.samples["tuned"])
     changed = sum(1 for policy in chosen.values() if policy != "float32")
-    f32_ms = 1e3 * sorted(timer.samples["float32"])[len(timer.samples["float32"]) // 2]
-    tuned_ms = 1e3 * sorted(timer.samples["tuned"])[len(timer.samples["tuned"]) // 2]
+    f32_ms, tuned_ms = (1e3 * statistics.median(timer.samples[label]) for label in ("float32", "tuned"))
     print(f"device: {hardware.describe(hardware.detect())}")
     print(f"{name}: the tuned map ({changed} of {len(chosen)} layers changed, {len(kernels)} with a kernel chosen) "
           f"ran at {speedup.median:.3f}x [{speedup.low:.3f}, {speedup.high:.3f}] float32 over {speedup.rounds} "

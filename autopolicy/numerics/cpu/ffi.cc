@@ -137,10 +137,11 @@ struct Rescale {
   bool bf16;
   void* out;
 
-  void rows_int8(const int32_t* acc, int64_t n, int64_t r0, int64_t r1, int64_t n0, int64_t n1) const {
+  // Rows [r0, r1), columns [n0, n1) of int8's int32 sums or int4's float sums.
+  void rows(const int32_t* acc, int64_t n, int64_t r0, int64_t r1, int64_t n0, int64_t n1) const {
     rescale_int8(acc + r0 * n, r1 - r0, n, x_scale + r0, w_scale, bias, bf16, n0, n1, out_row(r0, n));
   }
-  void rows_int4(const float* y, int64_t n, int64_t r0, int64_t r1, int64_t n0, int64_t n1) const {
+  void rows(const float* y, int64_t n, int64_t r0, int64_t r1, int64_t n0, int64_t n1) const {
     rescale_int4(y + r0 * n, r1 - r0, n, x_scale + r0, bias, bf16, n0, n1, out_row(r0, n));
   }
   void* out_row(int64_t r, int64_t n) const {
@@ -148,10 +149,17 @@ struct Rescale {
   }
 };
 
-// acc = xq @ w in int32 for int8 xq (m, k) and w (k, n). With `rescale`, where the GEMM runs,
-// its tasks rescale their blocks into rescale->out too; returns whether that was done (else the
-// caller rescales acc).
-bool int8_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int64_t m, int64_t k, const int8_t* wp,
+// The rescale as a pass of its own over all m rows (the streaming kernels' products), split
+// over the threads by columns where the output is large.
+template <typename Sums>
+void rescale_pass(ffi::ThreadPool& pool, const Sums* sums, int64_t m, int64_t n, const Rescale& rescale) {
+  parallel_columns(Runner{&pool, m * n <= kSerialEpilogue}, n, kColumnsPerTask,
+                   [=, &rescale](int64_t n0, int64_t n1) { rescale.rows(sums, n, 0, m, n0, n1); });
+}
+
+// acc = xq @ w in int32 for int8 xq (m, k) and w (k, n); with `rescale`, rescaled into
+// rescale->out as well: by the GEMM's tasks, each its own block, or in a pass after the streams.
+void int8_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int64_t m, int64_t k, const int8_t* wp,
                   int64_t n, int32_t* out, const Rescale* rescale = nullptr) {
   const Runner run_on = runner_for(pool, m * k * n);
   if (path.int8_gemm != nullptr && m >= gemm_min_rows(path, false) && k > 0) {
@@ -163,9 +171,9 @@ bool int8_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
     Int8GemmFn gemm = path.int8_gemm;
     parallel_tiles(run_on, m, n, layout.rows, layout.strip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, r0, r1, n0, n1, out);
-      if (rescale != nullptr) rescale->rows_int8(out, n, r0, r1, n0, n1);
+      if (rescale != nullptr) rescale->rows(out, n, r0, r1, n0, n1);
     });
-    return rescale != nullptr;
+    return;
   }
   const int64_t slabs = std::min<int64_t>(kSlabs, k / kSlabRows);
   if (!run_on.serial && m <= kSlabMaxRows && slabs > 1 && n >= 16) {
@@ -184,16 +192,17 @@ bool int8_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
       const int32_t* src = parts + (s - 1) * m * n;
       for (int64_t i = 0; i < m * n; ++i) out[i] += src[i];
     }
-    return false;
+  } else {
+    parallel_columns(run_on, n, kColumnsPerTask, [=, &path](int64_t n0, int64_t n1) { path.int8(xp, m, k, wp, n, n0, n1, out); });
   }
-  parallel_columns(run_on, n, kColumnsPerTask, [=, &path](int64_t n0, int64_t n1) { path.int8(xp, m, k, wp, n, n0, n1, out); });
-  return false;
+  if (rescale != nullptr)
+    rescale_pass(pool, out, m, n, *rescale);
 }
 
 // y = sum over blocks of float(xq @ w_block) * scale_block, float32, for int8 xq (m, k) and the
 // packed int4 w (ceil(k / 2), n), scale (ceil(k / block), n).
 // (With `rescale`: as int8_product.)
-bool int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int64_t m, int64_t k, const uint8_t* wp,
+void int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int64_t m, int64_t k, const uint8_t* wp,
                   int64_t n, int64_t block, const float* sp, float* yp, const Rescale* rescale = nullptr) {
   const int64_t groups = (k + block - 1) / block;
   // SIMD paths take rows in pairs (2j, 2j + 1): a pair must not straddle a block.
@@ -210,9 +219,9 @@ bool int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
     Int4GemmFn gemm = path.int4_gemm;
     parallel_tiles(run_on, m, n, layout.rows, layout.strip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
       gemm(a, m, k, wp, n, block, sp, r0, r1, n0, n1, yp);
-      if (rescale != nullptr) rescale->rows_int4(yp, n, r0, r1, n0, n1);
+      if (rescale != nullptr) rescale->rows(yp, n, r0, r1, n0, n1);
     });
-    return rescale != nullptr;
+    return;
   }
   const int64_t slabs = std::min<int64_t>(kSlabs, k / kSlabRows);
   const bool narrow_slabs = k >= kInt4NarrowSlabMinK && n <= kNarrowColumns && m <= kInt4NarrowSlabMaxRows;
@@ -255,10 +264,11 @@ bool int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
       }
       for (int64_t c = 0; c < n; ++c) y[c] *= sp[c];
     }
-    return false;
+  } else {
+    parallel_columns(run_on, n, kColumnsPerTask, [=](int64_t n0, int64_t n1) { fn(xp, m, k, wp, n, block, sp, n0, n1, yp); });
   }
-  parallel_columns(run_on, n, kColumnsPerTask, [=](int64_t n0, int64_t n1) { fn(xp, m, k, wp, n, block, sp, n0, n1, yp); });
-  return false;
+  if (rescale != nullptr)
+    rescale_pass(pool, yp, m, n, *rescale);
 }
 
 // The error of a call naming a path this CPU does not run (or no path at all).
@@ -378,14 +388,9 @@ ffi::Error Int8DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   // one takes them in scratch (every sum is written by the product: no zeroing).
   std::unique_ptr<int32_t[]> scratch(bf16 ? new int32_t[static_cast<size_t>(m * n)] : nullptr);
   int32_t* acc = bf16 ? scratch.get() : static_cast<int32_t*>(out->untyped_data());
-  const float* xs = xq.scale.data();
-  const float* ws = w_scale.typed_data();
-  const void* b = bias.element_count() ? bias.untyped_data() : nullptr;
-  void* o = out->untyped_data();
-  const Rescale rescale{xs, ws, b, bf16, o};
-  if (!int8_product(pool, *path, xq.q.get(), m, k, w.typed_data(), n, acc, &rescale))
-    parallel_columns(Runner{&pool, m * n <= kSerialEpilogue}, n, kColumnsPerTask,
-                     [=](int64_t n0, int64_t n1) { rescale_int8(acc, m, n, xs, ws, b, bf16, n0, n1, o); });
+  const Rescale rescale{xq.scale.data(), w_scale.typed_data(), bias.element_count() ? bias.untyped_data() : nullptr,
+                        bf16, out->untyped_data()};
+  int8_product(pool, *path, xq.q.get(), m, k, w.typed_data(), n, acc, &rescale);
   return ffi::Error::Success();
 }
 
@@ -404,13 +409,9 @@ ffi::Error Int4DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
   std::unique_ptr<float[]> scratch(bf16 ? new float[static_cast<size_t>(m * n)] : nullptr);
   float* y = bf16 ? scratch.get() : static_cast<float*>(out->untyped_data());
-  const float* xs = xq.scale.data();
-  const void* b = bias.element_count() ? bias.untyped_data() : nullptr;
-  void* o = out->untyped_data();
-  const Rescale rescale{xs, nullptr, b, bf16, o};
-  if (!int4_product(pool, *path, xq.q.get(), m, k, w.typed_data(), n, block, scale.typed_data(), y, &rescale))
-    parallel_columns(Runner{&pool, m * n <= kSerialEpilogue}, n, kColumnsPerTask,
-                     [=](int64_t n0, int64_t n1) { rescale_int4(y, m, n, xs, b, bf16, n0, n1, o); });
+  const Rescale rescale{xq.scale.data(), nullptr, bias.element_count() ? bias.untyped_data() : nullptr, bf16,
+                        out->untyped_data()};
+  int4_product(pool, *path, xq.q.get(), m, k, w.typed_data(), n, block, scale.typed_data(), y, &rescale);
   return ffi::Error::Success();
 }
 
@@ -503,19 +504,12 @@ ffi::Error GroupedDense(ffi::ThreadPool& pool, const char* what, bool int4, cons
     // Many rows: each product as its own call takes it (the GEMM's tiles), one after another.
     for (const Member& p : members) {
       const Rescale rescale{xs, p.scale, nullptr, p.bf16, p.out};
-      const bool done =
-          int4 ? int4_product(pool, *path, xq.q.get(), m, k, static_cast<const uint8_t*>(p.w), p.n, block, p.scale,
-                              static_cast<float*>(p.sums), &rescale)
-               : int8_product(pool, *path, xq.q.get(), m, k, static_cast<const int8_t*>(p.w), p.n,
-                              static_cast<int32_t*>(p.sums), &rescale);
-      if (done) continue;
-      const Member q = p;
-      parallel_columns(Runner{&pool, m * p.n <= kSerialEpilogue}, p.n, kColumnsPerTask, [=](int64_t n0, int64_t n1) {
-        if (int4)
-          rescale_int4(static_cast<const float*>(q.sums), m, q.n, xs, nullptr, q.bf16, n0, n1, q.out);
-        else
-          rescale_int8(static_cast<const int32_t*>(q.sums), m, q.n, xs, q.scale, nullptr, q.bf16, n0, n1, q.out);
-      });
+      if (int4)
+        int4_product(pool, *path, xq.q.get(), m, k, static_cast<const uint8_t*>(p.w), p.n, block, p.scale,
+                     static_cast<float*>(p.sums), &rescale);
+      else
+        int8_product(pool, *path, xq.q.get(), m, k, static_cast<const int8_t*>(p.w), p.n,
+                     static_cast<int32_t*>(p.sums), &rescale);
     }
     return ffi::Error::Success();
   }

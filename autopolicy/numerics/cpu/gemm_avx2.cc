@@ -16,6 +16,15 @@
 
 namespace autopolicy_cpu {
 
+namespace {
+// Pair p of a row of x (k long) as one word: (x[2p], x[2p + 1]) as two int16 (low: even row; the
+// pad of an odd K is zero).
+inline int32_t pair_word(const int8_t* row, int64_t p, int64_t k) {
+  const int32_t lo = row[2 * p], hi = 2 * p + 1 < k ? row[2 * p + 1] : 0;
+  return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
+}
+}  // namespace
+
 void pack_x_pairs(const int8_t* x, int64_t m, int64_t k, int32_t* a) {
   const int64_t pairs = (k + 1) / 2, panels = (m + kGemmRows - 1) / kGemmRows;
   for (int64_t panel = 0; panel < panels; ++panel) {
@@ -27,11 +36,7 @@ void pack_x_pairs(const int8_t* x, int64_t m, int64_t k, int32_t* a) {
         continue;
       }
       const int8_t* row = x + r * k;
-      for (int64_t p = 0; p < pairs; ++p) {
-        const int32_t lo = row[2 * p], hi = 2 * p + 1 < k ? row[2 * p + 1] : 0;
-        dst[p * kGemmRows + rr] = static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) |
-                                                       (static_cast<uint32_t>(hi) << 16));
-      }
+      for (int64_t p = 0; p < pairs; ++p) dst[p * kGemmRows + rr] = pair_word(row, p, k);
     }
   }
 }
@@ -88,12 +93,7 @@ void pack_x_pairs_avx2(const int8_t* x, int64_t m, int64_t k, int32_t* a) {
       _mm_storeu_si128(out + 3, _mm_unpackhi_epi64(t2, t3));
     }
     for (int64_t p = vector_pairs; p < pairs; ++p)
-      for (int64_t rr = 0; rr < kGemmRows; ++rr) {
-        const int8_t* xr = row + rr * k;
-        const int32_t lo = xr[2 * p], hi = 2 * p + 1 < k ? xr[2 * p + 1] : 0;
-        dst[p * kGemmRows + rr] =
-            static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
-      }
+      for (int64_t rr = 0; rr < kGemmRows; ++rr) dst[p * kGemmRows + rr] = pair_word(row + rr * k, p, k);
   }
   if (whole_panels * kGemmRows < m)  // the last, partial panel
     pack_x_pairs(x + whole_panels * kGemmRows * k, m - whole_panels * kGemmRows, k, a + whole_panels * pairs * kGemmRows);
