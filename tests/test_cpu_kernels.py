@@ -272,7 +272,7 @@ def test_the_int4_einsum_matches_xla_within_rounding(path, block, path_restored)
 # --- the fused dense calls ------------------------------------------------------------------
 
 # (rows, K, N): batch 1 and 7, SmolLM2's narrowest layer, odd K, N not a multiple of 16 or 32.
-# (70, 1000, 37): x quantized on two threads (70000 values), the GEMM, and a last partial eight columns.
+# (70, 1000, 37): x quantized on the threads (70000 values), the GEMM, and a last partial eight columns.
 DENSE_SHAPES = [(1, 576, 192), (1, 577, 45), (7, 96, 33), (7, 33, 17), (2, 130, 300), (70, 1000, 37)]
 
 
