@@ -73,7 +73,7 @@ namespace autopolicy_cpu {
 // rows sign-extended to int16 (four pair words a row), then the 4 x 4 words transposed so that
 // each pair's words of the four rows lie together. The rest (a panel past m, the last pairs of a
 // row) as pack_x_pairs writes them. The plain loop, a byte at a time, took a tenth of a
-// 1024 x 1536 x 384 int8 dense call's time on its calling thread (perf, 2-core Zen 3 EPYC).
+// 1024 x 1536 x 384 int8 dense call's time on its calling thread (perf, 2-core Zen 3 EPYC, AVX2).
 void pack_x_pairs_avx2(const int8_t* x, int64_t m, int64_t k, int32_t* a) {
   const int64_t pairs = (k + 1) / 2, whole_panels = m / kGemmRows, vector_pairs = k / 8 * 4;
   static_assert(kGemmRows == 4, "the transpose below is 4 x 4 words");
