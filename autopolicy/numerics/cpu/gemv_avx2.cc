@@ -259,7 +259,15 @@ void int8_rows(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t n
 // before vpmaddwd took 28: the kernel at batch 1 is no longer bound by the instructions.
 // Sums are kept per 32 columns as [0-3|16-19], [4-7|20-23], [8-11|24-27], [12-15|28-31] (the
 // lane order of the unpacks), put back in order when a block ends.
-template <int R>
+// Blocks shorter than K (kBlocked: int4/<block>) end inside their last pass: each chunk's sums,
+// complete there and still in registers, go into the output at once, and the block's first pass
+// writes its sums without reading any back, so no pass clears the sums and none re-reads them at
+// the block's end. Against that separate pass, with blocks of 32 (experiments/ab_cpu_kernels.py,
+// kernel alone, 31 rounds, two runs, 2-core AMD EPYC Zen 3, AVX2): 1.04-1.09x on 4096 x 4096 and
+// the 576 x 49152 head at batch 1, 1.11-1.19x at batch 2, 1.01-1.16x at batches 4 and 8; the
+// narrow shapes 0.92-1.06x, within the A/A spread. Per channel keeps the separate pass: the same
+// code run there (flags tested at run time) was 0.86-0.95x on those two shapes.
+template <int R, bool kBlocked>
 void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_t block, const float* scale,
                  int64_t n0, int64_t n1, float* out, int32_t* sums) {
   const int64_t pairs = (k + 1) / 2, width = n1 - n0;
@@ -268,7 +276,8 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
   const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t j0 = g * block_pairs, j1 = std::min(pairs, j0 + block_pairs);
-    std::memset(sums, 0, R * width * sizeof(int32_t));
+    const float* block_scale = scale + g * n;
+    if (!kBlocked) std::memset(sums, 0, R * width * sizeof(int32_t));
     int32_t correction[R];
     for (int r = 0; r < R; ++r) {
       int32_t total = 0;
@@ -277,6 +286,9 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
     }
     for (int64_t jg = j0; jg < j1; jg += 8) {
       const int64_t rows = std::min<int64_t>(8, j1 - jg);
+      // The block's first pass starts its sums (none to read back); its last adds them, rescaled,
+      // into the output; passes between keep them in `sums`.
+      const bool first = kBlocked && jg == j0, last = kBlocked && jg + 8 >= j1;
       __m256i xb[8][R];
       const uint8_t* wrow[8];
       for (int64_t jj = 0; jj < rows; ++jj) {
@@ -339,15 +351,30 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
         }
         for (int r = 0; r < R; ++r) {
           __m256i* p = reinterpret_cast<__m256i*>(sums + r * width + (c - n0));
-          const __m256i parts[4] = {_mm256_srai_epi32(_mm256_unpacklo_epi16(t0[r], t0[r]), 16),
-                                    _mm256_srai_epi32(_mm256_unpackhi_epi16(t0[r], t0[r]), 16),
-                                    _mm256_srai_epi32(_mm256_unpacklo_epi16(t1[r], t1[r]), 16),
-                                    _mm256_srai_epi32(_mm256_unpackhi_epi16(t1[r], t1[r]), 16)};
-          for (int q = 0; q < 4; ++q) _mm256_storeu_si256(p + q, _mm256_add_epi32(_mm256_loadu_si256(p + q), parts[q]));
+          __m256i parts[4] = {_mm256_srai_epi32(_mm256_unpacklo_epi16(t0[r], t0[r]), 16),
+                              _mm256_srai_epi32(_mm256_unpackhi_epi16(t0[r], t0[r]), 16),
+                              _mm256_srai_epi32(_mm256_unpacklo_epi16(t1[r], t1[r]), 16),
+                              _mm256_srai_epi32(_mm256_unpackhi_epi16(t1[r], t1[r]), 16)};
+          if (!first)
+            for (int q = 0; q < 4; ++q) parts[q] = _mm256_add_epi32(_mm256_loadu_si256(p + q), parts[q]);
+          if (!last) {
+            for (int q = 0; q < 4; ++q) _mm256_storeu_si256(p + q, parts[q]);
+            continue;
+          }
+          // The block's last pass: its sums, complete, go straight into the output.
+          __m256i ordered[4];
+          in_order32(parts, ordered);
+          const __m256i corr = _mm256_set1_epi32(correction[r]);
+          float* y = out + r * n + c;
+          for (int q = 0; q < 4; ++q) {
+            const __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ordered[q], corr)),
+                                              _mm256_loadu_ps(block_scale + c + 8 * q));
+            _mm256_storeu_ps(y + 8 * q, g == 0 ? term : _mm256_add_ps(_mm256_loadu_ps(y + 8 * q), term));
+          }
         }
       }
     }
-    const float* s = scale + g * n;
+    if (kBlocked) continue;
     for (int r = 0; r < R; ++r) {
       float* y = out + r * n;
       const __m256i corr = _mm256_set1_epi32(correction[r]);
@@ -359,13 +386,21 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
         in_order32(s4, ordered);
         for (int q = 0; q < 4; ++q) {
           const __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ordered[q], corr)),
-                                            _mm256_loadu_ps(s + c + 8 * q));
-          float* yq = y + c + 8 * q;
-          _mm256_storeu_ps(yq, g == 0 ? term : _mm256_add_ps(_mm256_loadu_ps(yq), term));
+                                            _mm256_loadu_ps(block_scale + c + 8 * q));
+          _mm256_storeu_ps(y + c + 8 * q, term);
         }
       }
     }
   }
+}
+
+template <bool kBlocked>
+void int4_rows(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block, const float* scale,
+               int64_t n0, int64_t n1, float* out, int32_t* sums) {
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) int4_stream<4, kBlocked>(x + r * k, k, w, n, block, scale, n0, n1, out + r * n, sums);
+  for (; r + 2 <= m; r += 2) int4_stream<2, kBlocked>(x + r * k, k, w, n, block, scale, n0, n1, out + r * n, sums);
+  for (; r < m; ++r) int4_stream<1, kBlocked>(x + r * k, k, w, n, block, scale, n0, n1, out + r * n, sums);
 }
 
 }  // namespace
@@ -384,15 +419,14 @@ void int4_avx2(const int8_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t 
                const float* scale, int64_t n0, int64_t n1, float* out) {
   const int64_t simd_end = n0 + (n1 - n0) / 32 * 32;
   if (simd_end > n0) {
-    // Uninitialized: int4_stream clears the sums at each block (a zeroed vector was a second
-    // memset of up to 24 KB a call, 1.3% of a SmolLM2 int4 decode step's CPU time in perf).
+    // Uninitialized: int4_stream clears the sums (per channel) or writes them first (blocked); a
+    // zeroed vector was a second memset of up to 24 KB a call, 1.3% of a SmolLM2 int4 decode
+    // step's CPU time in perf.
     std::unique_ptr<int32_t[]> scratch(new int32_t[static_cast<size_t>(4 * (simd_end - n0))]);
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4)
-      int4_stream<4>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.get());
-    for (; r + 2 <= m; r += 2)
-      int4_stream<2>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.get());
-    for (; r < m; ++r) int4_stream<1>(x + r * k, k, w, n, block, scale, n0, simd_end, out + r * n, scratch.get());
+    if (k > block)
+      int4_rows<true>(x, m, k, w, n, block, scale, n0, simd_end, out, scratch.get());
+    else
+      int4_rows<false>(x, m, k, w, n, block, scale, n0, simd_end, out, scratch.get());
   }
   if (simd_end < n1) int4_portable(x, m, k, w, n, block, scale, simd_end, n1, out);
 }
