@@ -3,8 +3,10 @@ for bit on every instruction-set path this CPU has, the portable one forced too;
 epilogue of int4 within float32 rounding; the fused dense calls (quantize, product, rescale,
 bias in one call) equal to the package's XLA path bit for bit; clean fallbacks and errors."""
 
+import argparse
 import functools
 import os
+import shutil
 import subprocess
 import sys
 
@@ -1009,3 +1011,35 @@ def test_the_benchmarks_reads_cover_the_weights_bytes_and_depend_on_the_input():
         np.testing.assert_allclose(float(shifted[0] - once[0]), read.state.size, rtol=1e-4)
         np.testing.assert_allclose(float(once[0]), float(np.sum(np.asarray(read.state, np.float64) + 1.0)),
                                    rtol=1e-5, atol=1e-3)
+
+
+def _read_ceiling():
+    import importlib.util  # pylint: disable=import-outside-toplevel
+    import pathlib  # pylint: disable=import-outside-toplevel
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "read_ceiling.py"
+    spec = importlib.util.spec_from_file_location("read_ceiling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"), reason="no C++ compiler")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_read_ceiling_reads_every_word_of_a_copy(tmp_path, threads):
+    """experiments/read_ceiling.py's reader sums all 1001 words of copy 0 (word i holds i), split
+    between the caller and its helper or on the caller alone, and times a positive median."""
+    ceiling = _read_ceiling()
+    binary = ceiling.build(str(tmp_path))
+    median, checksum = ceiling.read_us(binary, 8 * 1001 + 5, copies=3, threads=threads, calls=64, repeats=3)
+    assert checksum == 1001 * 1000 // 2
+    assert median > 0
+
+
+def test_the_read_ceiling_names_a_bad_shape(capsys):
+    ceiling = _read_ceiling()
+    with pytest.raises(SystemExit):
+        ceiling.main(["--shapes", "576by1536"])
+    assert "a shape is K x N, e.g. 576x1536; got '576by1536'" in capsys.readouterr().err
+    with pytest.raises(argparse.ArgumentTypeError, match=r"K and N must be positive; got '0x5'"):
+        ceiling._shape("0x5")  # pylint: disable=protected-access
