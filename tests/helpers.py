@@ -1,6 +1,8 @@
 """Small numerics helpers shared by the tests."""
 
 import functools
+import importlib.util
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -96,3 +98,12 @@ def ops_outside_loops(hlo_text, pattern=r"\b(dot|convolution)\("):
                     outside.add(callee)
                     todo.append(callee)
     return [line.strip() for name in outside for line in computations.get(name, []) if re.search(pattern, line)]
+
+
+def load_experiment(name):
+    """The module of ``experiments/<name>.py`` (the experiments are scripts, not a package)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

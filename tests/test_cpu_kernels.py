@@ -17,7 +17,7 @@ import pytest
 
 from autopolicy.numerics import cpu_kernels, cpu_weight_only, int4, int8, kernels
 from autopolicy.numerics.device import Device, current_device
-from helpers import on_cpu_backend, on_the_cpu  # noqa: F401  (a fixture)
+from helpers import load_experiment, on_cpu_backend, on_the_cpu  # noqa: F401  (a fixture)
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason=f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
 # The kernels run on CPUs: their operands there, also where the default device is a GPU.
@@ -991,13 +991,7 @@ def test_the_benchmarks_reads_cover_the_weights_bytes_and_depend_on_the_input():
     """The reads timed beside the kernels read as many bytes as the int8 and int4 weights, and
     their sums change with the call's input (XLA can neither hoist one out of a chain of calls
     nor share it between calls on the same copy: a read it could hoist ran at 4x the probe)."""
-    import importlib.util  # pylint: disable=import-outside-toplevel
-    import pathlib  # pylint: disable=import-outside-toplevel
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench_cpu_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_cpu_kernels", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_experiment("bench_cpu_kernels")
 
     reads, nbytes = bench.reads(96, 40, seed=0)
     assert nbytes == {"read int8 bytes": 96 * 40, "read int4 bytes": 96 * 40 // 2}
@@ -1014,14 +1008,7 @@ def test_the_benchmarks_reads_cover_the_weights_bytes_and_depend_on_the_input():
 
 
 def _read_ceiling():
-    import importlib.util  # pylint: disable=import-outside-toplevel
-    import pathlib  # pylint: disable=import-outside-toplevel
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "read_ceiling.py"
-    spec = importlib.util.spec_from_file_location("read_ceiling", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("read_ceiling")
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and not os.environ.get("CXX"), reason="no C++ compiler")

@@ -15,7 +15,7 @@ import pytest
 
 from autopolicy.numerics import _int8_accumulate, _u8s8_dot, cpu_kernels, float8, float_dot, int4, int8, kernels
 from autopolicy.numerics.device import CPU_FEATURES, Device, current_device, known_cpu_features, parse_cpuinfo
-from helpers import assert_bit_identical, gaussian, on_cpu_backend
+from helpers import assert_bit_identical, gaussian, load_experiment, on_cpu_backend
 
 # --- stand-ins ------------------------------------------------------------------------------
 
@@ -531,14 +531,7 @@ def test_f32_accumulate_is_exactly_xla_in_float32():
 
 @pytest.fixture(scope="module")
 def bench():
-    import importlib.util  # pylint: disable=import-outside-toplevel
-    import pathlib  # pylint: disable=import-outside-toplevel
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("bench_kernels")
 
 
 def test_bench_names_the_device_in_the_report_file(bench):
