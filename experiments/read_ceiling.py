@@ -110,15 +110,20 @@ int main(int argc, char** argv) {
 """
 
 
+def compiler() -> str | None:
+    """The C++ compiler the reader is built with: ``$CXX``, else g++ or c++ on PATH (None: none)."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def build(workdir: str) -> str:
     """Compiles the reader into ``workdir``; its path."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         raise SystemExit("read_ceiling.py needs a C++ compiler: set CXX or install g++ (none was found on PATH)")
     source, binary = os.path.join(workdir, "read.cc"), os.path.join(workdir, "read")
     with open(source, "w", encoding="utf-8") as f:
         f.write(_SOURCE)
-    subprocess.run([compiler, "-O3", "-march=native", "-std=c++17", "-pthread", source, "-o", binary], check=True)
+    subprocess.run([compiler_path, "-O3", "-march=native", "-std=c++17", "-pthread", source, "-o", binary], check=True)
     return binary
 
 
