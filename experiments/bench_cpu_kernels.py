@@ -37,6 +37,7 @@ Usage::
     python experiments/bench_cpu_kernels.py                 # every shape and batch, ~10 min on 2 cores
     python experiments/bench_cpu_kernels.py --batches 1 4 --shapes 576x1536 4096x4096 --out /tmp/k.md
     python experiments/bench_cpu_kernels.py --batches 1 --streamed-batches   # batch 1 in the timing loop
+    python experiments/bench_cpu_kernels.py --ramp --batches 1 --shapes 576x1536   # the warm-up after a pause
 
 Without ``--out`` the report goes to ``reports/cpu-kernels-<device>.md``.
 """
@@ -98,8 +99,9 @@ def _keras_dense(w: np.ndarray, mode: str) -> Candidate | None:
     return Candidate(lambda variables, x: layer.stateless_call(variables[0], variables[1], x)[0], (), state=state)
 
 
-def candidates(m: int, k: int, n: int, seed: int) -> tuple[dict[str, Candidate], dict[str, int]]:
-    """``{name: candidate}`` for one shape and batch, and the weight bytes each reads per call."""
+def candidates(m: int, k: int, n: int, seed: int, keras: bool = True) -> tuple[dict[str, Candidate], dict[str, int]]:
+    """``{name: candidate}`` for one shape and batch, and the weight bytes each reads per call
+    (Keras 3's Dense among them where ``keras`` and Keras is installed)."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
     w_np = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
@@ -120,7 +122,7 @@ def candidates(m: int, k: int, n: int, seed: int) -> tuple[dict[str, Candidate],
         for other in _other_paths():
             for name in ("int8 ffi", "int4 ffi", "int4/32 ffi"):
                 out[f"{name} {other}"], nbytes[f"{name} {other}"] = out[name], nbytes[name]
-    for mode in ("int8", "int4"):
+    for mode in ("int8", "int4") if keras else ():
         keras_candidate = _keras_dense(w_np, mode)
         if keras_candidate is not None:
             out[f"keras {mode}"] = Candidate(keras_candidate.fn, (x,), state=keras_candidate.state)
@@ -235,8 +237,23 @@ def _cached(nbytes: int, budget: int) -> bool:
     return _copies(nbytes, budget) * nbytes < budget
 
 
+def _streamed_programs(cands: dict[str, Candidate], nbytes: dict[str, int], budget: int) -> dict[str, tuple]:
+    """``{name: (program, states, x, calls)}``: each candidate's program of ``calls`` dependent
+    calls cycling through copies of its weights (``budget`` bytes of them, at most 64 copies),
+    compiled and run once."""
+    programs = {}
+    for name, cand in cands.items():
+        copies = _copies(nbytes[name], budget)
+        length = max(16, copies)
+        states = [cand.state] + [jax.tree_util.tree_map(jnp.copy, cand.state) for _ in range(copies - 1)]
+        program, x = _chained(cand.fn, length), cand.inputs[0]
+        jax.block_until_ready(program(states, x))
+        programs[name] = (program, states, x, length)
+    return programs
+
+
 def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
-                   target: float = 0.02, pause: float = 0.1, warm: float = 0.005) -> list[dict[str, Any]]:
+                   target: float = 0.02, pause: float = 0.1, warm: float = 0.05) -> list[dict[str, Any]]:
     """As :func:`bench`, but each candidate runs as a decoder meets its layers: in one program of
     dependent calls cycling through copies of its weights, ``budget`` bytes of them (at most 64
     copies), so that, where that is more than the caches hold, every call reads its weights from
@@ -244,23 +261,19 @@ def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
     candidate once per round in a fresh random order, ``pause`` seconds before each (on the 2-core
     EPYC a 4096 x 4096 int8 layer took 1.65-1.75 ms right after XLA's int8 path, 1.29-1.40 ms
     after a pause of 0.1-0.5 s, float32 4.34 against 3.65-3.79 ms: a transient of the machine,
-    not of the candidate), then ``warm`` seconds of the candidate's own program untimed (as a
-    decoder's layers follow one another: after the pause the helper threads had gone to sleep and
-    the cores clocked down, and on a 2-core Zen 4 EPYC 576 x 1536 int4 took 25-35 us in the
-    first 20 ms against 17-21 us in 0.2 s samples, float32 119-127 against 106-112 us), ratios
-    paired within rounds."""
+    not of the candidate), then ``warm`` seconds of the candidate's own program untimed, as a
+    decoder's layers follow one another token after token. After the pause the helper threads
+    have gone to sleep and the cores clocked down: every candidate runs slower for the first 20-40
+    ms (``--ramp`` prints it; on the 2-core Zen 3 EPYC, 576 x 1536, float32 215-235 us a call in
+    the first 10 ms against 181-184 from 40 ms on, int8 75-90 against 54-57), so ``warm`` is
+    50 ms; ratios paired within rounds."""
     cands, nbytes = candidates(m, k, n, seed)
     if not _cached(k * n // 2, budget):  # the smaller read, of the int4 bytes, streams too (see reads)
         read_cands, read_bytes = reads(k, n, seed)
         cands, nbytes = {**cands, **read_cands}, {**nbytes, **read_bytes}
     rng = np.random.default_rng(seed)
     runners, resident = {}, {}
-    for name, cand in cands.items():
-        copies = _copies(nbytes[name], budget)
-        length = max(16, copies)
-        states = [cand.state] + [jax.tree_util.tree_map(jnp.copy, cand.state) for _ in range(copies - 1)]
-        program, x = _chained(cand.fn, length), cand.inputs[0]
-        jax.block_until_ready(program(states, x))
+    for name, (program, states, x, length) in _streamed_programs(cands, nbytes, budget).items():
         start = time.perf_counter()
         jax.block_until_ready(program(states, x))
         reps = max(1, int(target / max(time.perf_counter() - start, 1e-6)))
@@ -292,6 +305,67 @@ def bench_streamed(m: int, k: int, n: int, repeats: int, seed: int, budget: int,
                      "vs_float32": paired_ratio(samples[BASELINE], times), "bytes_per_s": nbytes[name] / median,
                      "streamed": not resident[name]})
     return rows
+
+
+RAMP_WINDOWS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
+RAMP_NAMES = (BASELINE, "int8 ffi", "int4 ffi", "int4/32 ffi")
+
+
+def ramp(m: int, k: int, n: int, repeats: int, seed: int, budget: int, pause: float = 0.1,
+         windows: tuple[float, ...] = RAMP_WINDOWS, names: tuple[str, ...] = RAMP_NAMES) -> list[dict[str, Any]]:
+    """How each candidate's time per call settles after a pause, as :func:`bench_streamed` meets
+    it: ``repeats`` times, every candidate in ``names`` in turn, ``pause`` seconds idle, then its
+    program back to back until ``windows[-1]`` seconds have passed, each program's time per call
+    filed under the first window its end falls in. One row per candidate and window: the median
+    time per call there, how many programs it had, and float32's median over this one's in the
+    same window."""
+    cands, nbytes = candidates(m, k, n, seed, keras=False)
+    cands = {name: cands[name] for name in names if name in cands}
+    programs = _streamed_programs(cands, {name: nbytes[name] for name in cands}, budget)
+    per = {name: [[] for _ in windows] for name in programs}
+    for _ in range(repeats):
+        for name, (program, states, x, length) in programs.items():
+            time.sleep(pause)
+            begin = time.perf_counter()
+            while True:
+                start = time.perf_counter()
+                jax.block_until_ready(program(states, x))
+                end = time.perf_counter()
+                slot = next((i for i, w in enumerate(windows) if end - begin <= w), None)
+                if slot is None:
+                    break
+                per[name][slot].append((end - start) / length)
+    rows = []
+    for name, slots in per.items():
+        for window, times in zip(windows, slots):
+            base = per[BASELINE][windows.index(window)]
+            median = float(np.median(times)) if times else float("nan")
+            rows.append({"shape": f"{k}x{n}", "batch": m, "name": name, "window_ms": 1e3 * window,
+                         "median_us": 1e6 * median, "programs": len(times),
+                         "vs_float32": float(np.median(base)) / median if times and base else float("nan")})
+    return rows
+
+
+def ramp_markdown(rows: list[dict[str, Any]]) -> str:
+    """One table per shape and batch: a row per candidate, a column per window after the pause
+    (its upper end), each cell the median time per call [the ratio to float32 there]."""
+    lines = []
+    for key in dict.fromkeys((r["shape"], r["batch"]) for r in rows):
+        mine = [r for r in rows if (r["shape"], r["batch"]) == key]
+        windows = list(dict.fromkeys(r["window_ms"] for r in mine))
+        lines += [f"{key[0]}, batch {key[1]}: time per call, up to each time after the pause", "",
+                  "| candidate | " + " | ".join(f"<= {w:g} ms" for w in windows) + " |",
+                  "|---|" + "---|" * len(windows)]
+        for name in dict.fromkeys(r["name"] for r in mine):
+            cells = {r["window_ms"]: r for r in mine if r["name"] == name}
+            text = []
+            for w in windows:
+                r = cells[w]
+                ratio = "" if name == BASELINE else (" [—]" if np.isnan(r["vs_float32"]) else f" [{r['vs_float32']:.2f}x]")
+                text.append("—" if r["programs"] == 0 else f"{r['median_us']:.1f} us{ratio}")
+            lines.append(f"| {name} | " + " | ".join(text) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _fmt(r: tuple[float, float, float]) -> str:
@@ -339,14 +413,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--streamed-batches", nargs="*", type=int, default=[1],
                         help="batches timed as a decoder runs its layers: chains of dependent calls "
                              "cycling through copies of the weights (default: 1; none: every batch in the timing loop)")
+    parser.add_argument("--warm", type=_seconds, default=0.05,
+                        help="seconds each streamed candidate runs untimed after the pause before each sample "
+                             "(default 0.05: see --ramp)")
+    parser.add_argument("--ramp", action="store_true",
+                        help="print how the streamed candidates' time per call settles after the pause "
+                             "(the windows of up to 5-160 ms after it), instead of the benchmark")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds, e.g. 0.05; got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"seconds must be 0 or more; got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = "python experiments/bench_cpu_kernels.py" + (" " + shlex.join(argv if argv is not None else sys.argv[1:])
                                                              if (argv if argv is not None else sys.argv[1:]) else "")
+    budget = max(64 << 20, 2 * _cache_bytes())
+    if args.ramp:
+        rows = []
+        for shape in args.shapes:
+            k, n = (int(v) for v in shape.lower().split("x"))
+            for m in args.batches:
+                rows += ramp(m, k, n, args.repeats or 12, args.seed, budget)
+        cpu_model, _ = read_cpuinfo()
+        text = (f"Measured {datetime.date.today()} with `{command}` on {cpu_model or current_device().device_kind}, "
+                f"path `{cpu_kernels.path() if cpu_kernels.AVAILABLE else 'none'}`.\n\n" + ramp_markdown(rows))
+        if args.out:
+            _atomic.write_text(args.out, text)
+        print(text)
+        return 0
     bw = bandwidth()
     print(f"bandwidth: {bw / 1e9:.1f} GB/s", file=sys.stderr)
     rows = []
@@ -356,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.batches:
             repeats = args.repeats or (9 if m <= 32 else 5)
             if m in args.streamed_batches:
-                new = bench_streamed(m, k, n, repeats, args.seed, budget=max(64 << 20, 2 * _cache_bytes()))
+                new = bench_streamed(m, k, n, repeats, args.seed, budget=budget, warm=args.warm)
             else:
                 new = bench(m, k, n, repeats, args.seed)
             rows += new

@@ -1006,6 +1006,37 @@ def test_the_benchmarks_reads_cover_the_weights_bytes_and_depend_on_the_input():
                                    rtol=1e-5, atol=1e-3)
 
 
+def test_the_benchmarks_ramp_files_each_program_under_its_window():
+    """--ramp times every candidate after a pause in windows of time: one row per candidate and
+    window, float32 the baseline of each window, and a table a row per candidate."""
+    bench = load_experiment("bench_cpu_kernels")
+    windows = (0.003, 0.03)
+    rows = bench.ramp(1, 64, 48, repeats=2, seed=0, budget=1 << 16, pause=0.0, windows=windows)
+    names = [name for name in bench.RAMP_NAMES if name in bench.candidates(1, 64, 48, 0, keras=False)[0]]
+    assert [(r["name"], r["window_ms"]) for r in rows] == [(name, 1e3 * w) for name in names for w in windows]
+    last = [r for r in rows if r["window_ms"] == 30.0]
+    # Each program runs in well under 27 ms here: every candidate has programs in the last window.
+    assert all(r["programs"] > 0 and r["median_us"] > 0 and r["shape"] == "64x48" and r["batch"] == 1 for r in last)
+    assert [r["vs_float32"] for r in last if r["name"] == bench.BASELINE] == [1.0]
+    table = bench.ramp_markdown(rows)
+    assert table.splitlines()[0] == "64x48, batch 1: time per call, up to each time after the pause"
+    assert "| candidate | <= 3 ms | <= 30 ms |" in table
+    assert sum(line.startswith(("| float32 |", "| int8 ffi |", "| int4 ffi |", "| int4/32 ffi |"))
+               for line in table.splitlines()) == len(names)
+
+
+def test_the_benchmark_names_a_bad_warm_up(capsys):
+    bench = load_experiment("bench_cpu_kernels")
+    assert bench.parse_args(["--warm", "0.2"]).warm == 0.2
+    assert bench.parse_args([]).warm == 0.05
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--warm", "soon"])
+    assert "a number of seconds, e.g. 0.05; got 'soon'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--warm", "-1"])
+    assert "seconds must be 0 or more; got '-1'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_read_ceiling_reads_every_word_of_a_copy(tmp_path, threads):
     """experiments/read_ceiling.py's reader sums all 1001 words of copy 0 (word i holds i), split
