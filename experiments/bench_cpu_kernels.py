@@ -338,7 +338,7 @@ def ramp(m: int, k: int, n: int, repeats: int, seed: int, budget: int, pause: fl
     rows = []
     for name, slots in per.items():
         for window, times in zip(windows, slots):
-            base = per[BASELINE][windows.index(window)]
+            base = per[BASELINE][windows.index(window)] if BASELINE in per else []
             median = float(np.median(times)) if times else float("nan")
             rows.append({"shape": f"{k}x{n}", "batch": m, "name": name, "window_ms": 1e3 * window,
                          "median_us": 1e6 * median, "programs": len(times),
@@ -408,7 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES], help="K x N, e.g. 576x1536")
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
-    parser.add_argument("--repeats", type=int, default=None, help="rounds (default: 9 at batch <= 32, else 5)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds (default: 9 at batch <= 32, else 5; 12 with --ramp)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--streamed-batches", nargs="*", type=int, default=[1],
                         help="batches timed as a decoder runs its layers: chains of dependent calls "
@@ -445,8 +445,9 @@ def main(argv: list[str] | None = None) -> int:
             for m in args.batches:
                 rows += ramp(m, k, n, args.repeats or 12, args.seed, budget)
         cpu_model, _ = read_cpuinfo()
-        text = (f"Measured {datetime.date.today()} with `{command}` on {cpu_model or current_device().device_kind}, "
-                f"path `{cpu_kernels.path() if cpu_kernels.AVAILABLE else 'none'}`.\n\n" + ramp_markdown(rows))
+        path = cpu_kernels.path() if cpu_kernels.AVAILABLE else f"not available ({cpu_kernels.unavailable_reason()})"
+        text = "\n".join([f"Measured {datetime.date.today()} with `{command}`.", ""]
+                         + device_lines(current_device(), cpu_model) + [f"- CPU kernel path: `{path}`", "", ramp_markdown(rows)])
         if args.out:
             _atomic.write_text(args.out, text)
         print(text)
