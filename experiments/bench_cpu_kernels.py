@@ -404,9 +404,20 @@ def markdown(rows: list[dict[str, Any]], bw: float, command: str, streamed: tupl
     return "\n".join(lines) + "\n"
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``(K, N)`` of a ``KxN`` shape argument, e.g. ``576x1536``."""
+    try:
+        k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is K x N, e.g. 576x1536; got {text!r}") from None
+    if k <= 0 or n <= 0:
+        raise argparse.ArgumentTypeError(f"K and N must be positive; got {text!r}")
+    return k, n
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES], help="K x N, e.g. 576x1536")
+    parser.add_argument("--shapes", nargs="+", type=_shape, default=list(SHAPES), help="K x N, e.g. 576x1536")
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default: 9 at batch <= 32, else 5; 12 with --ramp)")
     parser.add_argument("--seed", type=int, default=0)
@@ -440,8 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = max(64 << 20, 2 * _cache_bytes())
     if args.ramp:
         rows = []
-        for shape in args.shapes:
-            k, n = (int(v) for v in shape.lower().split("x"))
+        for k, n in args.shapes:
             for m in args.batches:
                 rows += ramp(m, k, n, args.repeats or 12, args.seed, budget)
         cpu_model, _ = read_cpuinfo()
@@ -455,8 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = bandwidth()
     print(f"bandwidth: {bw / 1e9:.1f} GB/s", file=sys.stderr)
     rows = []
-    for shape in args.shapes:
-        k, n = (int(v) for v in shape.lower().split("x"))
+    for k, n in args.shapes:
         bw = max(bw, bandwidth(1.0))  # the machine's memory is shared: the limit is the best it gave
         for m in args.batches:
             repeats = args.repeats or (9 if m <= 32 else 5)

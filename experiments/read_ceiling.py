@@ -31,7 +31,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu_kernels import SHAPES, _cache_bytes, _copies  # noqa: E402
+from bench_cpu_kernels import SHAPES, _cache_bytes, _copies, _shape  # noqa: E402
 
 from autopolicy.search import hardware  # noqa: E402
 
@@ -135,16 +135,6 @@ def read_us(binary: str, nbytes: int, copies: int, threads: int, calls: int, rep
                          check=True, capture_output=True, text=True).stdout
     median, checksum = out.split()
     return float(median), int(checksum)
-
-
-def _shape(text: str) -> tuple[int, int]:
-    try:
-        k, n = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a shape is K x N, e.g. 576x1536; got {text!r}") from None
-    if k <= 0 or n <= 0:
-        raise argparse.ArgumentTypeError(f"K and N must be positive; got {text!r}")
-    return k, n
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1028,7 +1028,7 @@ def test_the_benchmarks_ramp_files_each_program_under_its_window():
                for line in table.splitlines()) == len(names)
 
 
-def test_the_benchmark_names_a_bad_warm_up(capsys):
+def test_the_benchmark_names_a_bad_warm_up_or_shape(capsys):
     bench = load_experiment("bench_cpu_kernels")
     assert bench.parse_args(["--warm", "0.2"]).warm == 0.2
     assert bench.parse_args([]).warm == 0.05
@@ -1038,6 +1038,10 @@ def test_the_benchmark_names_a_bad_warm_up(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--warm", "-1"])
     assert "seconds must be 0 or more; got '-1'" in capsys.readouterr().err
+    assert bench.parse_args(["--shapes", "576x1536", "64X32"]).shapes == [(576, 1536), (64, 32)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--shapes", "576by1536"])
+    assert "a shape is K x N, e.g. 576x1536; got '576by1536'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("threads", [1, 2])
