@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import sys
 import time
 
@@ -42,6 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopolicy.numerics import cpu_kernels, int4, int8
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cpu_kernels import next_input  # noqa: E402
 
 
 def _timer(fn, args, reps):
@@ -204,13 +208,14 @@ def compare_weight_only_layers(k: int, n: int, m: int, rounds: int, chain: int, 
 
 
 def _chain(layer, length):
-    """``length`` dependent calls of ``layer(x, *weights[i % len(weights)])``: the next x is x plus
-    a tiny multiple of the output's first column (so every call waits for the one before, as
-    layers of a model do)."""
+    """``length`` dependent calls of ``layer(x, *weights[i % len(weights)])``, each input made
+    from the first and the output before (bench_cpu_kernels.next_input: every call waits for the
+    one before, as layers of a model do, with no chain of adds for XLA to recompute)."""
     def run(x, weights):
+        y, x0 = None, x
         for i in range(length):
             y = layer(x, *weights[i % len(weights)])
-            x = x + 1e-30 * y[:, :1]
+            x = next_input(x0, y)
         return y
     return jax.jit(run)
 

@@ -212,15 +212,30 @@ def _cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+def next_input(x0: jax.Array, y: Any) -> jax.Array:
+    """The next call's input in a chain of dependent calls: the chain's first input ``x0`` plus a
+    runtime zero times the last output's first value, so no call starts before the one before it
+    ends, as a model's layers run. Made from ``x0``, not from the previous input: a chain of adds
+    (x plus the zero, then that plus the next) is fused by XLA into each later add (an add feeds
+    both the next call and the next add, and XLA duplicates elementwise producers into their
+    consumers, an optimization barrier notwithstanding), so the i-th step's fusion took i + 1
+    operands and recomputed the chain's adds over K values: O(length^2) work outside the layers,
+    which XLA split over its pool's threads where K was 1536, beside the kernels' own helper. On
+    the 2-core Zen 3 EPYC (AVX2), 1536 x 576 at batch 1, 13 paired rounds: int8 76.3 us a call
+    with the chain of adds against 47.2 from x0, int4 42.8 against 27.7, float32 195.8 against
+    194.0; on 576 x 576 and 576 x 1536 0.93-1.27x, within this machine's noise."""
+    first = jax.tree_util.tree_leaves(y)[0].reshape(-1)[0]
+    return x0 + (1e-30 * first).astype(x0.dtype)
+
+
 def _chained(fn, length: int):
-    """``length`` dependent calls of ``fn(states[i % len(states)], x)``, one program: each call's x
-    is the previous one's plus a runtime zero times its output's first value, so no call starts
-    before the one before it ends, as a model's layers run."""
+    """``length`` dependent calls of ``fn(states[i % len(states)], x)``, one program, each call's
+    input made from the one before by :func:`next_input`."""
     def run(states, x):
-        y = None
+        y, x0 = None, x
         for i in range(length):
             y = fn(states[i % len(states)], x)
-            x = x + (1e-30 * jax.tree_util.tree_leaves(y)[0].reshape(-1)[0]).astype(x.dtype)
+            x = next_input(x0, y)
         return y
     return jax.jit(run)
 

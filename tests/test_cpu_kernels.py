@@ -6,6 +6,7 @@ bias in one call) equal to the package's XLA path bit for bit; clean fallbacks a
 import argparse
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -1026,6 +1027,26 @@ def test_the_benchmarks_ramp_files_each_program_under_its_window():
     assert "| candidate | <= 3 ms | <= 30 ms |" in table
     assert sum(line.startswith(("| float32 |", "| int8 ffi |", "| int4 ffi |", "| int4/32 ffi |"))
                for line in table.splitlines()) == len(names)
+
+
+def test_the_benchmarks_chain_has_no_chain_of_adds_for_xla_to_recompute():
+    """Each call of a benchmark chain waits for the one before, and the input between them costs
+    one small fusion a call: none of the compiled chain's fusions takes more than two operands
+    (the chain's first input and the last output; a chain of adds had fusions of up to 65), and
+    every call's output still feeds the next call's input."""
+    bench = load_experiment("bench_cpu_kernels")
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((48, 40)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((1, 48)).astype(np.float32))
+    program = bench._chained(lambda w_, x_: x_ @ w_, 24)  # pylint: disable=protected-access
+    text = program.lower([w, w + 1.0], x).compile().as_text()
+    fusions = [line.split(" fusion(", 1)[1].split(")", 1)[0] for line in text.splitlines() if " fusion(" in line]
+    assert fusions and max(len(re.findall(r"%[\w.\-]+", operands)) for operands in fusions) <= 2
+    # The runtime zero keeps the values: the chain's output is the last copy's product with x.
+    np.testing.assert_allclose(np.asarray(program([w, w + 1.0], x)), np.asarray(x @ (w + 1.0)), rtol=1e-5)
+    # Yet each input depends on the output before: the next input is x0 plus 1e-30 times it.
+    y = jnp.full((1, 40), 3e29, jnp.float32)
+    np.testing.assert_allclose(np.asarray(bench.next_input(x, y)), np.asarray(x) + 0.3, rtol=1e-5)
 
 
 def test_the_benchmark_names_a_bad_warm_up_or_shape(capsys):
