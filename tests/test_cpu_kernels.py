@@ -590,6 +590,36 @@ def test_the_kernels_own_helpers_change_no_result(rows):
 
 
 @needs_kernels
+def test_calls_with_a_large_x_hand_their_tasks_to_xlas_pool_with_the_same_results():
+    """From pool_min_values() values of x (131072 by default) a call's tasks go to XLA's pool,
+    not the polling helpers: the same outputs either way (int8 and int4 GEMMs, the fused rescale
+    and the quantizer split over rows), and a clear error for a negative size."""
+    assert cpu_kernels.pool_min_values() == 131072
+    k, n = 640, 200
+    rng = np.random.default_rng(11)
+    x = jax.device_put(_float_input(300, k, 5, adversarial=True), jax.devices("cpu")[0])  # 192000 values
+    q, w_scale = _int8_kernel(k, n, 7, adversarial=True)
+    packed = int4.pack_int4(jnp.asarray(rng.integers(-8, 8, (k, n)).astype(np.int8)))
+    scale = jnp.asarray(rng.uniform(0.01, 1.0, (k // 32, n)).astype(np.float32))
+    fn = jax.jit(lambda a: (cpu_kernels.int8_dense(a, q, w_scale), cpu_kernels.int4_dense(a, packed, scale, 32),
+                            cpu_kernels.int4_dense(a, packed, scale[:1] * 0 + scale[0], k)))
+    results = {}
+    try:
+        for values in (1 << 40, 0, None):  # never, always, the default (this x reaches it)
+            cpu_kernels.set_pool_min_values(values)
+            assert cpu_kernels.pool_min_values() == (131072 if values is None else values)
+            results[values] = [np.asarray(y) for y in fn(x)]
+    finally:
+        cpu_kernels.set_pool_min_values(None)
+    assert all(np.abs(y).max() > 0 for y in results[0]) and results[0][0].shape == (300, n)
+    for values in (0, None):
+        for helpers, pool in zip(results[1 << 40], results[values], strict=True):
+            np.testing.assert_array_equal(pool, helpers)
+    with pytest.raises(ValueError, match=r"values must be >= 0 \(or None for the default\). Received: values=-3"):
+        cpu_kernels.set_pool_min_values(-3)
+
+
+@needs_kernels
 def test_the_fused_calls_name_bad_operands():
     x, q, s = jnp.ones((2, 4)), jnp.ones((4, 3), jnp.int8), jnp.ones((1, 3))
     with pytest.raises(ValueError, match=r"int8_dense: x must be a 2-D array of one of \('float32', 'bfloat16'\). "
@@ -813,7 +843,8 @@ def test_the_device_command_names_the_cpu_and_kernels(capsys):
                 if cpu_kernels.AVAILABLE else "cpu kernels: not available (")
     assert out[3].startswith(expected)
     if cpu_kernels.AVAILABLE:
-        assert out[3].endswith(f"; in use: {cpu_kernels.path()}; threads a call splits for: as many as XLA's pool has")
+        assert out[3].endswith(f"; in use: {cpu_kernels.path()}; threads a call splits for: as many as XLA's pool has "
+                               f"(our polling helpers, XLA's pool from an x of 131072 values)")
     if cpu_weight_only.AVAILABLE:  # then one more line: the weight-only kernel's variant
         assert out.pop(4) == f"weight-only (GPTQ/AWQ) kernel: {cpu_weight_only.variant()} variant"
     if cpu_kernels.AVAILABLE:  # and whether projections sharing an input run as one call

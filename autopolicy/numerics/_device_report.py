@@ -30,7 +30,8 @@ def device_report() -> str:
         split = "as many as XLA's pool has" if threads is None else f"{threads} (AUTOPOLICY_CPU_THREADS or set_threads)"
         lines.append(f"cpu kernels: built ({os.path.basename(cpu_kernels.library_path())}); paths this CPU "
                      f"runs: {', '.join(cpu_kernels.supported_paths())}; in use: {cpu_kernels.path()}; "
-                     f"threads a call splits for: {split}")
+                     f"threads a call splits for: {split} (our polling helpers, XLA's pool from an x of "
+                     f"{cpu_kernels.pool_min_values()} values)")
         if cpu_weight_only.AVAILABLE:
             lines.append(f"weight-only (GPTQ/AWQ) kernel: {cpu_weight_only.variant()} variant")
         from autopolicy.numerics import grouped  # pylint: disable=import-outside-toplevel

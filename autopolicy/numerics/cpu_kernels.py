@@ -13,8 +13,8 @@ much as the product. :func:`int8_dense_group` and :func:`int4_dense_group` do se
 layers of one input in one call (a decoder's query, key and value). Work is split over as many threads as XLA's intra-op pool has (or
 :func:`set_threads` names): the calling thread and the library's own helpers, which poll for the next call
 for :func:`spin_us` microseconds before they sleep (or XLA's pool itself, with
-``set_spin_us(0)``); calls whose weights are below :func:`serial_max_bytes` run on the calling
-thread alone.
+``set_spin_us(0)``, and for calls whose x has :func:`pool_min_values` values or more); calls
+whose weights are below :func:`serial_max_bytes` run on the calling thread alone.
 
 Without the library (no compiler at install, or ``AUTOPOLICY_DISABLE_CPU_KERNELS=1``) nothing
 fails: :data:`AVAILABLE` is False, :func:`unavailable_reason` says why, and the search times the
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
            "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "serial_max_bytes",
-           "set_serial_max_bytes", "spin_us", "set_spin_us", "threads", "set_threads", "int8_matmul", "int4_matmul",
+           "set_serial_max_bytes", "spin_us", "set_spin_us", "pool_min_values", "set_pool_min_values", "threads", "set_threads", "int8_matmul", "int4_matmul",
            "int8_dense", "int4_dense", "int8_dense_group", "int4_dense_group", "decode_attention", "DENSE_DTYPES",
            "notice_once", "FFI_KERNELS", "kernel_path", "kernel_distinct_on"]
 
@@ -111,6 +111,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.autopolicy_cpu_set_serial_max_bytes.argtypes = [ctypes.c_int64]
         lib.autopolicy_cpu_spin_us.restype = ctypes.c_int64
         lib.autopolicy_cpu_set_spin_us.argtypes = [ctypes.c_int64]
+        lib.autopolicy_cpu_pool_min_values.restype = ctypes.c_int64
+        lib.autopolicy_cpu_set_pool_min_values.argtypes = [ctypes.c_int64]
         lib.autopolicy_cpu_threads.restype = ctypes.c_int64
         lib.autopolicy_cpu_set_threads.argtypes = [ctypes.c_int64]
     except (OSError, AttributeError) as e:
@@ -281,6 +283,27 @@ def set_spin_us(us: int | None) -> None:
     if us is not None and int(us) < 0:
         raise ValueError(f"us must be >= 0 (or None for the default). Received: us={us!r}")
     _lib().autopolicy_cpu_set_spin_us(-1 if us is None else int(us))
+
+
+def pool_min_values() -> int:
+    """The size of x (rows times K) from which a call hands its tasks to XLA's intra-op pool
+    rather than to the kernels' own helpers: XLA splits the fusions that make such an x over its
+    pool, so its threads are awake when the call starts, and on a 2-core VM a helper of ours
+    beside them took its share late (at 256 rows, 6-13% slower in the search's timing loop)."""
+    return int(_lib().autopolicy_cpu_pool_min_values())
+
+
+def set_pool_min_values(values: int | None) -> None:
+    """Sets :func:`pool_min_values` (``AUTOPOLICY_CPU_POOL_VALUES`` sets it at load); 0 sends
+    every call's tasks to XLA's pool, None restores the measured default. Takes effect at once,
+    compiled programs included.
+
+    Raises:
+      ValueError: for a negative ``values``.
+    """
+    if values is not None and int(values) < 0:
+        raise ValueError(f"values must be >= 0 (or None for the default). Received: values={values!r}")
+    _lib().autopolicy_cpu_set_pool_min_values(-1 if values is None else int(values))
 
 
 def threads() -> int | None:

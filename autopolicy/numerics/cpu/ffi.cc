@@ -40,20 +40,23 @@ constexpr int64_t kSerialEpilogue = 1 << 16;
 // Where a call's tasks run: on helpers (ours or XLA's pool's, as many as XLA's pool has threads
 // but one) and the calling thread, or (serial) on the calling thread alone, for work too small to
 // pay for a second thread.
+// xla_pool: the other threads are XLA's pool's, not the package's helpers (pool_min_values).
 struct Runner {
   ffi::ThreadPool* pool;
   bool serial;
+  bool xla_pool = false;
   int64_t threads() const { return serial ? 1 : call_threads(pool->num_threads()); }
 };
 
-Runner runner_for(ffi::ThreadPool& pool, int64_t work_bytes) {
-  return Runner{&pool, work_bytes <= serial_max_bytes()};
+// x_values: the values of the call's x (rows times K).
+Runner runner_for(ffi::ThreadPool& pool, int64_t work_bytes, int64_t x_values) {
+  return Runner{&pool, work_bytes <= serial_max_bytes(), x_values >= pool_min_values()};
 }
 
 // Runs body(t) for t in [0, tasks), on the helpers and the calling thread (parallel.h).
 template <typename Body>
 void parallel_tasks(const Runner& run_on, int64_t tasks, Body body) {
-  share_tasks(*run_on.pool, tasks, run_on.threads(), body);
+  share_tasks(*run_on.pool, tasks, run_on.threads(), body, run_on.xla_pool);
 }
 
 // Runs body(n0, n1) over [0, n) in one chunk per thread.
@@ -161,7 +164,7 @@ void rescale_pass(ffi::ThreadPool& pool, const Sums* sums, int64_t m, int64_t n,
 // rescale->out as well: by the GEMM's tasks, each its own block, or in a pass after the streams.
 void int8_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int64_t m, int64_t k, const int8_t* wp,
                   int64_t n, int32_t* out, const Rescale* rescale = nullptr) {
-  const Runner run_on = runner_for(pool, m * k * n);
+  const Runner run_on = runner_for(pool, m * k * n, m * k);
   if (path.int8_gemm != nullptr && m >= gemm_min_rows(path, false) && k > 0) {
     const GemmX& layout = *path.gemm_x;
     // Left uninitialized: the pack writes every word.
@@ -210,7 +213,7 @@ void int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
   const int64_t groups = (k + block - 1) / block;
   // SIMD paths take rows in pairs (2j, 2j + 1): a pair must not straddle a block.
   const bool pairs_ok = groups == 1 || block % 2 == 0;
-  const Runner run_on = runner_for(pool, m * ((k + 1) / 2) * n);
+  const Runner run_on = runner_for(pool, m * ((k + 1) / 2) * n, m * k);
   Int4Fn fn = pairs_ok ? path.int4 : int4_portable;
   // The GEMM takes K rows k_group at a time (AVX2 pairs, VNNI quads): none may straddle a block.
   if (path.int4_gemm != nullptr && (groups == 1 || block % path.gemm_x->k_group == 0) &&
@@ -362,7 +365,7 @@ QuantizedRows quantize(ffi::ThreadPool& pool, const ffi::AnyBuffer& x) {
   int8_t* q = rows.q.get();
   float* scale = rows.scale.data();
   if (m == 0) return rows;
-  const Runner run_on{&pool, m < 2 || m * k < kParallelQuantize};
+  const Runner run_on{&pool, m < 2 || m * k < kParallelQuantize, m * k >= pool_min_values()};
   const int64_t tasks = std::min(m, run_on.threads()), step = (m + tasks - 1) / tasks;
   parallel_tasks(run_on, (m + step - 1) / step, [=](int64_t t) {
     const int64_t r0 = t * step, r1 = std::min(m, r0 + step);
@@ -519,7 +522,7 @@ ffi::Error GroupedDense(ffi::ThreadPool& pool, const char* what, bool int4, cons
   // Few rows: the streaming kernels over column ranges of every product, as many ranges in all as
   // threads (whole 64-column chunks, none across two products), claimed as threads come free;
   // each range is rescaled by the thread that computed it.
-  const Runner run_on = runner_for(pool, m * total_n * (int4 ? (k + 1) / 2 : k));
+  const Runner run_on = runner_for(pool, m * total_n * (int4 ? (k + 1) / 2 : k), m * k);
   const int64_t threads = run_on.threads();
   const int64_t step = threads <= 1 ? widest : std::max<int64_t>(64, ((total_n + threads - 1) / threads + 63) / 64 * 64);
   struct Range {
@@ -634,6 +637,8 @@ int64_t autopolicy_cpu_serial_max_bytes() { return autopolicy_cpu::serial_max_by
 void autopolicy_cpu_set_serial_max_bytes(int64_t bytes) { autopolicy_cpu::set_serial_max_bytes(bytes); }
 int64_t autopolicy_cpu_spin_us() { return autopolicy_cpu::spin_us(); }
 void autopolicy_cpu_set_spin_us(int64_t us) { autopolicy_cpu::set_spin_us(us); }
+int64_t autopolicy_cpu_pool_min_values() { return autopolicy_cpu::pool_min_values(); }
+void autopolicy_cpu_set_pool_min_values(int64_t values) { autopolicy_cpu::set_pool_min_values(values); }
 int64_t autopolicy_cpu_threads() { return autopolicy_cpu::threads_override(); }
 void autopolicy_cpu_set_threads(int64_t threads) { autopolicy_cpu::set_threads_override(threads); }
 }

@@ -157,6 +157,13 @@ void set_threads_override(int64_t threads);
 // set_spin_us sets it (< 0 restores the default), as AUTOPOLICY_CPU_SPIN_US does at load.
 int64_t spin_us();
 void set_spin_us(int64_t us);
+// Calls whose x has at least pool_min_values() values (rows times K) hand their tasks to XLA's
+// intra-op pool, not to the helpers above: XLA splits the fusions that make such an x over its
+// pool, whose threads are then awake and polling when the call starts, and four threads on two
+// cores left the helper's share late (measured: dispatch.cc). set_pool_min_values sets it (< 0
+// restores the default), as AUTOPOLICY_CPU_POOL_VALUES does at load.
+int64_t pool_min_values();
+void set_pool_min_values(int64_t values);
 bool offer_to_helpers(int64_t helpers, std::shared_ptr<const std::function<void()>> job);
 
 // Waits, on a call's own thread, until `count` reaches `target` (its helpers' tasks finished):

@@ -15,11 +15,11 @@ namespace autopolicy_cpu {
 
 // Runs body(t) for t in [0, tasks) on the calling thread and up to threads - 1 others: the
 // package's polling helpers (helpers.cc), or XLA's intra-op pool where those are off
-// (AUTOPOLICY_CPU_SPIN_US=0). Tasks are claimed from a counter, so the caller never waits for a
+// (AUTOPOLICY_CPU_SPIN_US=0) or `xla_pool` asks for it (pool_min_values). Tasks are claimed from a counter, so the caller never waits for a
 // task that has not started: it takes every task no other thread has claimed, and waits only for
 // the claimed ones to finish. threads <= 1 (or one task): all on the calling thread.
 template <typename Body>
-void share_tasks(xla::ffi::ThreadPool& pool, int64_t tasks, int64_t threads, Body body) {
+void share_tasks(xla::ffi::ThreadPool& pool, int64_t tasks, int64_t threads, Body body, bool xla_pool = false) {
   if (tasks <= 1 || threads <= 1) {
     for (int64_t t = 0; t < tasks; ++t) body(t);
     return;
@@ -36,7 +36,7 @@ void share_tasks(xla::ffi::ThreadPool& pool, int64_t tasks, int64_t threads, Bod
     }
   };
   const int64_t helpers = std::min(tasks, threads) - 1;
-  if (!offer_to_helpers(helpers, std::make_shared<const std::function<void()>>(run)))
+  if (xla_pool || !offer_to_helpers(helpers, std::make_shared<const std::function<void()>>(run)))
     for (int64_t t = 0; t < helpers; ++t) pool.Schedule([run]() { run(); });
   run();
   wait_until(state->done, tasks);
