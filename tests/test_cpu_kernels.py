@@ -1081,6 +1081,24 @@ def test_the_benchmarks_chain_has_no_chain_of_adds_for_xla_to_recompute():
     np.testing.assert_allclose(np.asarray(bench.next_input(x, y)), np.asarray(x) + 0.3, rtol=1e-5)
 
 
+def test_the_pool_benchmark_reads_its_shapes_and_states_each_mode():
+    """experiments/bench_cpu_pool.py: M x K x N shapes (a bad one named), and a line per shape with
+    each mode's ratio to float32 and the default's speed over the helpers, from paired rounds."""
+    bench = load_experiment("bench_cpu_pool")
+    assert bench._shape("256x576X192") == (256, 576, 192)  # pylint: disable=protected-access
+    with pytest.raises(argparse.ArgumentTypeError, match="a shape is M x K x N, e.g. 256x576x192; got '576x192'"):
+        bench._shape("576x192")  # pylint: disable=protected-access
+    base = np.array([4.0, 4.0, 4.0]) * 1e-3
+    times = {(bench.BASELINE, "default"): base}
+    for name in bench.KERNELS:
+        times[(name, "helpers")] = base / 1.2
+        times[(name, "pool")] = base / 1.5
+        times[(name, "default")] = base / 1.5
+    text = bench.line(256, 576, 192, times)
+    assert text.startswith("256x576x192 (x 147456 values): float32 4000 us | int8 ffi: helpers 1.20x, pool 1.50x, "
+                           "default 1.50x; default over helpers 1.25x [1.25-1.25] | int4 ffi: ")
+
+
 def test_the_benchmark_names_a_bad_warm_up_or_shape(capsys):
     bench = load_experiment("bench_cpu_kernels")
     assert bench.parse_args(["--warm", "0.2"]).warm == 0.2
