@@ -594,7 +594,7 @@ def test_calls_with_a_large_x_hand_their_tasks_to_xlas_pool_with_the_same_result
     """From pool_min_values() values of x (131072 by default) a call's tasks go to XLA's pool,
     not the polling helpers: the same outputs either way (int8 and int4 GEMMs, the fused rescale
     and the quantizer split over rows), and a clear error for a negative size."""
-    assert cpu_kernels.pool_min_values() == 131072
+    assert cpu_kernels.pool_min_values() == cpu_kernels.POOL_MIN_VALUES_DEFAULT == 131072
     k, n = 640, 200
     rng = np.random.default_rng(11)
     x = jax.device_put(_float_input(300, k, 5, adversarial=True), jax.devices("cpu")[0])  # 192000 values
@@ -959,6 +959,13 @@ def test_the_tuners_fingerprint_names_the_kernel_path_and_build(path_restored, m
         assert hardware.fingerprint() != hardware.fingerprint(info)
     finally:
         cpu_kernels.set_threads(None)
+    assert hardware.fingerprint() == hardware.fingerprint(info)
+    try:  # so does a size of x from which the calls use XLA's pool other than the default
+        cpu_kernels.set_pool_min_values(0)
+        assert hardware.detect()["cpu_kernels"]["pool_min_values"] == 0
+        assert hardware.fingerprint() != hardware.fingerprint(info)
+    finally:
+        cpu_kernels.set_pool_min_values(None)
     assert hardware.fingerprint() == hardware.fingerprint(info)
     # Projections called one by one time a decoder otherwise too.
     monkeypatch.setenv("AUTOPOLICY_GROUPED_PROJECTIONS", "0")

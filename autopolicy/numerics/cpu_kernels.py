@@ -39,7 +39,8 @@ import jax.numpy as jnp
 
 __all__ = ["AVAILABLE", "DISABLE_ENV", "unavailable_reason", "library_path", "path", "set_path",
            "supported_paths", "PATHS", "gemm_min_rows", "set_gemm_min_rows", "serial_max_bytes",
-           "set_serial_max_bytes", "spin_us", "set_spin_us", "pool_min_values", "set_pool_min_values", "threads", "set_threads", "int8_matmul", "int4_matmul",
+           "set_serial_max_bytes", "spin_us", "set_spin_us", "pool_min_values", "set_pool_min_values",
+           "POOL_MIN_VALUES_DEFAULT", "threads", "set_threads", "int8_matmul", "int4_matmul",
            "int8_dense", "int4_dense", "int8_dense_group", "int4_dense_group", "decode_attention", "DENSE_DTYPES",
            "notice_once", "FFI_KERNELS", "kernel_path", "kernel_distinct_on"]
 
@@ -285,11 +286,16 @@ def set_spin_us(us: int | None) -> None:
     _lib().autopolicy_cpu_set_spin_us(-1 if us is None else int(us))
 
 
+# The library's default for pool_min_values (dispatch.cc's kPoolMinValues): 256 rows of 576.
+POOL_MIN_VALUES_DEFAULT = 1 << 17
+
+
 def pool_min_values() -> int:
     """The size of x (rows times K) from which a call hands its tasks to XLA's intra-op pool
     rather than to the kernels' own helpers: XLA splits the fusions that make such an x over its
     pool, so its threads are awake when the call starts, and on a 2-core VM a helper of ours
-    beside them took its share late (at 256 rows, 6-13% slower in the search's timing loop)."""
+    beside them took its share late (at 256 and 512 rows the calls ran 1.02-1.30x faster on the
+    pool in the search's timing loop: ``experiments/bench_cpu_pool.py``)."""
     return int(_lib().autopolicy_cpu_pool_min_values())
 
 

@@ -92,16 +92,20 @@ def detect() -> dict[str, Any]:
         from autopolicy.numerics import cpu_kernels  # pylint: disable=import-outside-toplevel
 
         # Which C++ kernels run (the path in use, AUTOPOLICY_CPU_PATH included) and which build of
-        # them, the threads a call splits for where set (AUTOPOLICY_CPU_THREADS), and projections
-        # called one by one where grouping is off (AUTOPOLICY_GROUPED_PROJECTIONS=0): timings of
-        # another build, path, thread count or grouping are not this one's.
+        # them, the threads a call splits for where set (AUTOPOLICY_CPU_THREADS), the size of x
+        # from which calls use XLA's pool where not the default (AUTOPOLICY_CPU_POOL_VALUES), and
+        # projections called one by one where grouping is off (AUTOPOLICY_GROUPED_PROJECTIONS=0):
+        # timings of another build, path, thread count, pool size or grouping are not this one's.
         from autopolicy.numerics import grouped  # pylint: disable=import-outside-toplevel
 
         info["cpu_kernels"] = None
         if cpu_kernels.AVAILABLE:
             threads = cpu_kernels.threads()
+            pool_values = cpu_kernels.pool_min_values()
             info["cpu_kernels"] = {"path": cpu_kernels.path(), "build": cpu_kernels.build_id(),
                                    **({} if threads is None else {"threads": threads}),
+                                   **({} if pool_values == cpu_kernels.POOL_MIN_VALUES_DEFAULT
+                                      else {"pool_min_values": pool_values}),
                                    **({} if grouped.enabled() else {"grouped_projections": False})}
     capability = getattr(device, "compute_capability", None)
     if capability is not None:

@@ -92,7 +92,9 @@ int64_t g_serial_max_bytes = -2;  // -2: not read yet
 // package's own: 256 x 576 x 192 1.10x (int8) and 1.06x (int4), 256 x 576 x 576 1.10x and
 // 1.06x, 256 x 1024 x 1024 1.12x and 1.13x, 128 x 384 x 1536 (49K values) 1.05x and 1.08x;
 // 64 x 576 x 1536 0.98x and 0.99x, 32 x 576 x 576 0.98x and 0.96x, 16 x 576 x 576 0.99x and 0.98x.
-constexpr int64_t kPoolMinValues = 1 << 17;
+// With this default against the helpers only (experiments/bench_cpu_pool.py, 31 rounds): int8
+// 1.02-1.30x and int4 1.04-1.19x at 256 and 512 rows, 0.99-1.04x below (the same code).
+constexpr int64_t kPoolMinValues = 1 << 17;  // cpu_kernels.POOL_MIN_VALUES_DEFAULT
 int64_t g_pool_min_values = -2;  // -2: not read yet
 int64_t g_threads = -2;           // -2: not read yet; 0: XLA's pool's
 

@@ -15,9 +15,10 @@ namespace autopolicy_cpu {
 
 // Runs body(t) for t in [0, tasks) on the calling thread and up to threads - 1 others: the
 // package's polling helpers (helpers.cc), or XLA's intra-op pool where those are off
-// (AUTOPOLICY_CPU_SPIN_US=0) or `xla_pool` asks for it (pool_min_values). Tasks are claimed from a counter, so the caller never waits for a
-// task that has not started: it takes every task no other thread has claimed, and waits only for
-// the claimed ones to finish. threads <= 1 (or one task): all on the calling thread.
+// (AUTOPOLICY_CPU_SPIN_US=0) or `xla_pool` asks for it (pool_min_values). Tasks are claimed
+// from a counter, so the caller never waits for a task that has not started: it takes every task
+// no other thread has claimed, and waits only for the claimed ones to finish. threads <= 1 (or
+// one task): all on the calling thread.
 template <typename Body>
 void share_tasks(xla::ffi::ThreadPool& pool, int64_t tasks, int64_t threads, Body body, bool xla_pool = false) {
   if (tasks <= 1 || threads <= 1) {
