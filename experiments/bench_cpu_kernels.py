@@ -419,15 +419,21 @@ def markdown(rows: list[dict[str, Any]], bw: float, command: str, streamed: tupl
     return "\n".join(lines) + "\n"
 
 
+def dims(text: str, names: str, example: str) -> tuple[int, ...]:
+    """The sizes of a shape argument such as ``576x1536``, one per letter of ``names`` (``"KN"``,
+    ``"MKN"``), each positive; a bad one is named with ``example``."""
+    parts = text.lower().split("x")
+    if len(parts) != len(names) or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"a shape is {' x '.join(names)}, e.g. {example}; got {text!r}")
+    sizes = tuple(int(p) for p in parts)
+    if min(sizes) <= 0:
+        raise argparse.ArgumentTypeError(f"{', '.join(names[:-1])} and {names[-1]} must be positive; got {text!r}")
+    return sizes
+
+
 def _shape(text: str) -> tuple[int, int]:
     """``(K, N)`` of a ``KxN`` shape argument, e.g. ``576x1536``."""
-    try:
-        k, n = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a shape is K x N, e.g. 576x1536; got {text!r}") from None
-    if k <= 0 or n <= 0:
-        raise argparse.ArgumentTypeError(f"K and N must be positive; got {text!r}")
-    return k, n
+    return dims(text, "KN", "576x1536")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

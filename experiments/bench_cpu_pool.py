@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu_kernels import BASELINE, candidates  # noqa: E402
+from bench_cpu_kernels import BASELINE, candidates, dims  # noqa: E402
 from bench_kernels import device_lines  # noqa: E402
 
 from autopolicy.numerics import cpu_kernels  # noqa: E402
@@ -37,10 +37,8 @@ KERNELS = ("int8 ffi", "int4 ffi")
 
 
 def _shape(text: str) -> tuple[int, int, int]:
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"a shape is M x K x N, e.g. 256x576x192; got {text!r}")
-    return int(parts[0]), int(parts[1]), int(parts[2])
+    """``(M, K, N)`` of an ``MxKxN`` shape argument, e.g. ``256x576x192``."""
+    return dims(text, "MKN", "256x576x192")
 
 
 def bench(m: int, k: int, n: int, rounds: int, seed: int = 0, target: float = 0.02) -> dict[tuple[str, str], np.ndarray]:

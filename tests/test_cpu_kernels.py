@@ -602,12 +602,12 @@ def test_calls_with_a_large_x_hand_their_tasks_to_xlas_pool_with_the_same_result
     packed = int4.pack_int4(jnp.asarray(rng.integers(-8, 8, (k, n)).astype(np.int8)))
     scale = jnp.asarray(rng.uniform(0.01, 1.0, (k // 32, n)).astype(np.float32))
     fn = jax.jit(lambda a: (cpu_kernels.int8_dense(a, q, w_scale), cpu_kernels.int4_dense(a, packed, scale, 32),
-                            cpu_kernels.int4_dense(a, packed, scale[:1] * 0 + scale[0], k)))
+                            cpu_kernels.int4_dense(a, packed, scale[:1], k)))
     results = {}
     try:
         for values in (1 << 40, 0, None):  # never, always, the default (this x reaches it)
             cpu_kernels.set_pool_min_values(values)
-            assert cpu_kernels.pool_min_values() == (131072 if values is None else values)
+            assert cpu_kernels.pool_min_values() == (cpu_kernels.POOL_MIN_VALUES_DEFAULT if values is None else values)
             results[values] = [np.asarray(y) for y in fn(x)]
     finally:
         cpu_kernels.set_pool_min_values(None)
@@ -1095,6 +1095,8 @@ def test_the_pool_benchmark_reads_its_shapes_and_states_each_mode():
     assert bench._shape("256x576X192") == (256, 576, 192)  # pylint: disable=protected-access
     with pytest.raises(argparse.ArgumentTypeError, match="a shape is M x K x N, e.g. 256x576x192; got '576x192'"):
         bench._shape("576x192")  # pylint: disable=protected-access
+    with pytest.raises(argparse.ArgumentTypeError, match="M, K and N must be positive; got '0x576x192'"):
+        bench._shape("0x576x192")  # pylint: disable=protected-access
     base = np.array([4.0, 4.0, 4.0]) * 1e-3
     times = {(bench.BASELINE, "default"): base}
     for name in bench.KERNELS:
