@@ -389,6 +389,24 @@ def test_the_fused_dense_calls_rescale_each_gemm_task_as_the_unfused_ones(path, 
     test_the_fused_int8_dense_equals_the_xla_path(path, rows, k, n, dtype, True, with_bias, None)
 
 
+@needs_kernels
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "portable"])  # the paths with GEMMs
+def test_a_gemm_calls_rows_are_quantized_and_packed_in_runs_of_whole_panels(path, gemm_everywhere, path_restored):
+    """From 65536 values of x, a GEMM call quantizes and packs x a run of whole panels per thread
+    before any tile starts: on one thread, the machine's, and sixteen (67 rows: runs of 8, the
+    last a partial panel; on two threads runs of 36 and 31 rows), still equal bit for bit to the
+    XLA path (int8), the unfused call (int4) and one call per product (grouped)."""
+    rows, k, n = 67, 1001, 40
+    try:
+        for threads in (1, None, 16):
+            cpu_kernels.set_threads(threads)
+            test_the_fused_int8_dense_equals_the_xla_path(path, rows, k, n, "float32", True, True, None)
+            _check_fused_int4(path, rows, k, n, "channel", "bfloat16", False)
+        test_a_grouped_call_equals_one_call_per_product(path, rows, k, (n, 24), 32, "float32", None)
+    finally:
+        cpu_kernels.set_threads(None)
+
+
 def _check_fused_int4(path, rows, k, n, block, dtype, with_bias):
     cpu_kernels.set_path(path)
     block = k if block == "channel" else block

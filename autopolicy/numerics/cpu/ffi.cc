@@ -36,6 +36,9 @@ constexpr int64_t kSlabMinColumns = 256;
 constexpr int64_t kInt4SlabMinK = 2048, kInt4NarrowSlabMinK = 512, kInt4NarrowSlabMaxRows = 2, kInt4ExactK = 16512;
 // Rescaled outputs (rows x columns) up to this many run on the calling thread alone.
 constexpr int64_t kSerialEpilogue = 1 << 16;
+// x is quantized (and packed for a GEMM) on the threads from this many values, else on the calling
+// thread alone.
+constexpr int64_t kParallelQuantize = 1 << 16;
 
 // Where a call's tasks run: on helpers (ours or XLA's pool's, as many as XLA's pool has threads
 // but one) and the calling thread, or (serial) on the calling thread alone, for work too small to
@@ -73,13 +76,17 @@ void parallel_columns(const Runner& run_on, int64_t n, int64_t min_chunk, Body b
   parallel_tasks(run_on, chunks, [=](int64_t c) { body(c * step, std::min(n, (c + 1) * step)); });
 }
 
-// The GEMM's tasks: blocks of at most kGemmCols columns (whole strips) times blocks of rows (whole
-// panels), at least two per thread where the shape allows (the machine is shared: a thread that
-// runs late then delays the call by less than its whole share). body(r0, r1, n0, n1).
-template <typename Body>
-void parallel_tiles(const Runner& run_on, int64_t m, int64_t n, int64_t tile_rows, int64_t strip, Body body) {
-  if (m <= 0 || n <= 0) return;
-  const int64_t want = 2 * run_on.threads();
+// The GEMM's tiles for one product: blocks of at most kGemmCols columns (whole strips) times
+// blocks of rows (whole panels), at least two per thread where the shape allows (the machine is
+// shared: a thread that runs late then delays the call by less than its whole share).
+struct TileGrid {
+  int64_t row_step, col_step, row_tasks, col_tasks;
+  int64_t tasks() const { return row_tasks * col_tasks; }
+};
+
+TileGrid tile_grid(int64_t threads, int64_t m, int64_t n, int64_t tile_rows, int64_t strip) {
+  if (m <= 0 || n <= 0) return TileGrid{1, 1, 0, 0};
+  const int64_t want = 2 * threads;
   int64_t strips = (n + strip - 1) / strip;
   int64_t col_tasks = (n + kGemmCols - 1) / kGemmCols;
   if (col_tasks < want) col_tasks = std::min(strips, want);
@@ -90,10 +97,7 @@ void parallel_tiles(const Runner& run_on, int64_t m, int64_t n, int64_t tile_row
   row_tasks = std::max(row_tasks, (panels + most - 1) / most);  // at most 192 rows a task: x's chunk stays in L2
   const int64_t row_step = (panels + row_tasks - 1) / row_tasks * tile_rows;
   row_tasks = (m + row_step - 1) / row_step;
-  parallel_tasks(run_on, row_tasks * col_tasks, [=](int64_t t) {
-    const int64_t r = t / col_tasks, c = t % col_tasks;
-    body(r * row_step, std::min(m, (r + 1) * row_step), c * col_step, std::min(n, (c + 1) * col_step));
-  });
+  return TileGrid{row_step, col_step, row_tasks, col_tasks};
 }
 
 // Runs body(s, n0, n1) for each of `slabs` slabs over columns [n0, n1): the whole of [0, n) where
@@ -160,24 +164,111 @@ void rescale_pass(ffi::ThreadPool& pool, const Sums* sums, int64_t m, int64_t n,
                    [=, &rescale](int64_t n0, int64_t n1) { rescale.rows(sums, n, 0, m, n0, n1); });
 }
 
+// --- the GEMM calls (many rows of x): x packed into the path's layout (quantized first where it
+// is float) and the tiles of one or more products, in one parallel region of two phases: a run of
+// rows of x per task, then every product's tiles, each rescaled by the task that computed it
+// (Rescale above). One region wakes the other threads once, while the first rows are
+// quantized, and packs on every thread; a grouped call's products share it. Before, a call took
+// three regions (the quantizer's, a serial pack, the tiles') and a grouped call one more per
+// product. Measured on the 2-core Zen 3 EPYC (AVX2): single int8 layers gained little, within the
+// noise (experiments/ab_cpu_kernels.py --layers, 61 paired rounds, SmolLM2's 576 x 192, 576 x 576
+// and 1536 x 576 at batches 64 and 256: 0.96-1.07x, where the unchanged int4 streaming kernels
+// read 1.00-1.07x); a grouped q/k/v call (576 -> 576, 192, 192) at 256 rows ran at 1.09-1.16x its
+// three separate calls, where it had run at 1.03-1.04x.
+
+// Whether the path's GEMM takes this product (int4: K rows go k_group at a time, AVX2 pairs or
+// VNNI quads, and none may straddle a block).
+bool gemm_applies(const Path& path, bool int4, int64_t m, int64_t k, int64_t block) {
+  if (int4)
+    return path.int4_gemm != nullptr && (block >= k || block % path.gemm_x->k_group == 0) &&
+           m >= gemm_min_rows(path, true);
+  return path.int8_gemm != nullptr && m >= gemm_min_rows(path, false) && k > 0;
+}
+
+// One product of a GEMM call: the weights (int8 (K, N), or int4 packed (ceil(K/2), N) with its
+// block scales (G, N)), its sums (int32 for int8, float32 for int4) and its rescale (null: none).
+struct GemmProduct {
+  const void* w;
+  int64_t n;
+  const float* block_scale;
+  void* sums;
+  const Rescale* rescale;
+};
+
+// x of a GEMM call: quantized (q), or float (M, K) rows to quantize here (float_x, bfloat16
+// where bf16), their scales into x_scale.
+struct GemmInput {
+  const int8_t* q;
+  const char* float_x = nullptr;
+  bool bf16 = false;
+  float* x_scale = nullptr;
+};
+
+void gemm_call(ffi::ThreadPool& pool, const Path& path, bool int4, const GemmInput& x, int64_t m, int64_t k,
+               int64_t block, const GemmProduct* products, int64_t count) {
+  const GemmX& layout = *path.gemm_x;
+  int64_t work = 0;
+  for (int64_t i = 0; i < count; ++i) work += m * (int4 ? (k + 1) / 2 : k) * products[i].n;
+  const Runner run_on = runner_for(pool, work, m * k);
+  const int64_t threads = run_on.threads();
+  // Left uninitialized: the quantizer and the pack write every value.
+  std::unique_ptr<int8_t[]> quantized(x.float_x != nullptr ? new int8_t[static_cast<size_t>(m * k)] : nullptr);
+  int8_t* q = x.float_x != nullptr ? quantized.get() : nullptr;
+  const int8_t* xq = x.float_x != nullptr ? q : x.q;
+  std::unique_ptr<int32_t[]> packed(new int32_t[static_cast<size_t>(layout.words(m, k, block))]);
+  int32_t* a = packed.get();
+  // The first phase: runs of whole panels of rows, one per thread from kParallelQuantize values.
+  const int64_t panels = (m + layout.rows - 1) / layout.rows;
+  const int64_t runs = m * k < kParallelQuantize ? 1 : std::min(panels, threads);
+  const int64_t run_rows = (panels + runs - 1) / runs * layout.rows, first = (m + run_rows - 1) / run_rows;
+  // The second: each product's tiles, after those of the products before it.
+  std::vector<TileGrid> grids;
+  std::vector<int64_t> starts;
+  int64_t tasks = first;
+  for (int64_t i = 0; i < count; ++i) {
+    grids.push_back(tile_grid(threads, m, products[i].n, layout.rows, layout.strip));
+    starts.push_back(tasks);
+    tasks += grids.back().tasks();
+  }
+  const TileGrid* gp = grids.data();
+  const int64_t* sp = starts.data();
+  const int64_t row_bytes = k * (x.bf16 ? 2 : 4);
+  Int8GemmFn gemm8 = path.int8_gemm;
+  Int4GemmFn gemm4 = path.int4_gemm;
+  share_tasks(*run_on.pool, tasks, threads, [=, &layout, &x](int64_t t) {
+    if (t < first) {
+      const int64_t r0 = t * run_rows, r1 = std::min(m, r0 + run_rows);
+      if (q != nullptr) quantize_rows(x.float_x + r0 * row_bytes, x.bf16, r1 - r0, k, q + r0 * k, x.x_scale + r0);
+      layout.pack(xq, m, k, block, r0, r1, a);
+      return;
+    }
+    const int64_t i = std::upper_bound(sp, sp + count, t) - sp - 1, cell = t - sp[i];
+    const TileGrid& g = gp[i];
+    const GemmProduct& p = products[i];
+    const int64_t r0 = cell / g.col_tasks * g.row_step, n0 = cell % g.col_tasks * g.col_step;
+    const int64_t r1 = std::min(m, r0 + g.row_step), n1 = std::min(p.n, n0 + g.col_step);
+    if (int4) {
+      float* y = static_cast<float*>(p.sums);
+      gemm4(a, m, k, static_cast<const uint8_t*>(p.w), p.n, block, p.block_scale, r0, r1, n0, n1, y);
+      if (p.rescale != nullptr) p.rescale->rows(y, p.n, r0, r1, n0, n1);
+    } else {
+      int32_t* acc = static_cast<int32_t*>(p.sums);
+      gemm8(a, m, k, static_cast<const int8_t*>(p.w), p.n, r0, r1, n0, n1, acc);
+      if (p.rescale != nullptr) p.rescale->rows(acc, p.n, r0, r1, n0, n1);
+    }
+  }, run_on.xla_pool, first);
+}
+
 // acc = xq @ w in int32 for int8 xq (m, k) and w (k, n); with `rescale`, rescaled into
 // rescale->out as well: by the GEMM's tasks, each its own block, or in a pass after the streams.
 void int8_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int64_t m, int64_t k, const int8_t* wp,
                   int64_t n, int32_t* out, const Rescale* rescale = nullptr) {
-  const Runner run_on = runner_for(pool, m * k * n, m * k);
-  if (path.int8_gemm != nullptr && m >= gemm_min_rows(path, false) && k > 0) {
-    const GemmX& layout = *path.gemm_x;
-    // Left uninitialized: the pack writes every word.
-    std::unique_ptr<int32_t[]> xq(new int32_t[static_cast<size_t>(layout.words(m, k, k))]);
-    layout.pack(xp, m, k, k, xq.get());
-    const int32_t* a = xq.get();
-    Int8GemmFn gemm = path.int8_gemm;
-    parallel_tiles(run_on, m, n, layout.rows, layout.strip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
-      gemm(a, m, k, wp, n, r0, r1, n0, n1, out);
-      if (rescale != nullptr) rescale->rows(out, n, r0, r1, n0, n1);
-    });
+  if (gemm_applies(path, false, m, k, k)) {
+    const GemmProduct product{wp, n, nullptr, out, rescale};
+    gemm_call(pool, path, false, GemmInput{xp}, m, k, k, &product, 1);
     return;
   }
+  const Runner run_on = runner_for(pool, m * k * n, m * k);
   const int64_t slabs = std::min<int64_t>(kSlabs, k / kSlabRows);
   if (!run_on.serial && m <= kSlabMaxRows && slabs > 1 && n >= 16) {
     // Few rows: slabs of K rows, each a contiguous stretch of the weights (one stream the
@@ -215,18 +306,9 @@ void int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
   const bool pairs_ok = groups == 1 || block % 2 == 0;
   const Runner run_on = runner_for(pool, m * ((k + 1) / 2) * n, m * k);
   Int4Fn fn = pairs_ok ? path.int4 : int4_portable;
-  // The GEMM takes K rows k_group at a time (AVX2 pairs, VNNI quads): none may straddle a block.
-  if (path.int4_gemm != nullptr && (groups == 1 || block % path.gemm_x->k_group == 0) &&
-      m >= gemm_min_rows(path, true)) {
-    const GemmX& layout = *path.gemm_x;
-    std::unique_ptr<int32_t[]> xq(new int32_t[static_cast<size_t>(layout.words(m, k, block))]);
-    layout.pack(xp, m, k, block, xq.get());
-    const int32_t* a = xq.get();
-    Int4GemmFn gemm = path.int4_gemm;
-    parallel_tiles(run_on, m, n, layout.rows, layout.strip, [=](int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
-      gemm(a, m, k, wp, n, block, sp, r0, r1, n0, n1, yp);
-      if (rescale != nullptr) rescale->rows(yp, n, r0, r1, n0, n1);
-    });
+  if (gemm_applies(path, true, m, k, block)) {
+    const GemmProduct product{wp, n, sp, yp, rescale};
+    gemm_call(pool, path, true, GemmInput{xp}, m, k, block, &product, 1);
     return;
   }
   const int64_t slabs = std::min<int64_t>(kSlabs, k / kSlabRows);
@@ -350,9 +432,8 @@ struct QuantizedRows {
   std::vector<float> scale;
 };
 
-// Rows of x quantized on the threads where x has at least kParallelQuantize values, each thread
-// a run of rows (each row on its own, so any split gives the same values).
-constexpr int64_t kParallelQuantize = 1 << 16;
+// Rows of x quantized on the threads, each thread a run of rows (each row on its own, so any split
+// gives the same values).
 
 QuantizedRows quantize(ffi::ThreadPool& pool, const ffi::AnyBuffer& x) {
   auto xd = x.dimensions();
@@ -374,6 +455,12 @@ QuantizedRows quantize(ffi::ThreadPool& pool, const ffi::AnyBuffer& x) {
   return rows;
 }
 
+// A fused call's float x as a GEMM call's input, its row scales into x_scale (m of them).
+GemmInput float_input(const ffi::AnyBuffer& x, std::vector<float>& x_scale) {
+  return GemmInput{nullptr, static_cast<const char*>(x.untyped_data()), x.element_type() == ffi::DataType::BF16,
+                   x_scale.data()};
+}
+
 ffi::Error Int8DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
                          ffi::AnyBuffer bias, std::string_view path_name, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* what = "autopolicy int8 dense";
@@ -388,14 +475,21 @@ ffi::Error Int8DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
     return bad(std::string(what) + ": the kernel scale must have N = " + std::to_string(n) + " values; it is " +
                dims_of(w_scale.dimensions()));
   if (ffi::Error e = check_floats(what, x, &bias, out, n); e.failure()) return e;
-  const QuantizedRows xq = quantize(pool, x);
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
   // A float32 output holds the int32 sums until the rescale overwrites each in place; a bfloat16
   // one takes them in scratch (every sum is written by the product: no zeroing).
   std::unique_ptr<int32_t[]> scratch(bf16 ? new int32_t[static_cast<size_t>(m * n)] : nullptr);
   int32_t* acc = bf16 ? scratch.get() : static_cast<int32_t*>(out->untyped_data());
-  const Rescale rescale{xq.scale.data(), w_scale.typed_data(), bias.element_count() ? bias.untyped_data() : nullptr,
-                        bf16, out->untyped_data()};
+  const void* b = bias.element_count() ? bias.untyped_data() : nullptr;
+  if (gemm_applies(*path, false, m, k, k)) {
+    std::vector<float> x_scale(static_cast<size_t>(m));
+    const Rescale rescale{x_scale.data(), w_scale.typed_data(), b, bf16, out->untyped_data()};
+    const GemmProduct product{w.typed_data(), n, nullptr, acc, &rescale};
+    gemm_call(pool, *path, false, float_input(x, x_scale), m, k, k, &product, 1);
+    return ffi::Error::Success();
+  }
+  const QuantizedRows xq = quantize(pool, x);
+  const Rescale rescale{xq.scale.data(), w_scale.typed_data(), b, bf16, out->untyped_data()};
   int8_product(pool, *path, xq.q.get(), m, k, w.typed_data(), n, acc, &rescale);
   return ffi::Error::Success();
 }
@@ -411,12 +505,19 @@ ffi::Error Int4DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = w.dimensions().size() == 2 ? w.dimensions()[1] : 0;
   if (ffi::Error e = check_int4(what, k, w.dimensions(), scale.dimensions(), block); e.failure()) return e;
   if (ffi::Error e = check_floats(what, x, &bias, out, n); e.failure()) return e;
-  const QuantizedRows xq = quantize(pool, x);
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
   std::unique_ptr<float[]> scratch(bf16 ? new float[static_cast<size_t>(m * n)] : nullptr);
   float* y = bf16 ? scratch.get() : static_cast<float*>(out->untyped_data());
-  const Rescale rescale{xq.scale.data(), nullptr, bias.element_count() ? bias.untyped_data() : nullptr, bf16,
-                        out->untyped_data()};
+  const void* b = bias.element_count() ? bias.untyped_data() : nullptr;
+  if (gemm_applies(*path, true, m, k, block)) {
+    std::vector<float> x_scale(static_cast<size_t>(m));
+    const Rescale rescale{x_scale.data(), nullptr, b, bf16, out->untyped_data()};
+    const GemmProduct product{w.typed_data(), n, scale.typed_data(), y, &rescale};
+    gemm_call(pool, *path, true, float_input(x, x_scale), m, k, block, &product, 1);
+    return ffi::Error::Success();
+  }
+  const QuantizedRows xq = quantize(pool, x);
+  const Rescale rescale{xq.scale.data(), nullptr, b, bf16, out->untyped_data()};
   int4_product(pool, *path, xq.q.get(), m, k, w.typed_data(), n, block, scale.typed_data(), y, &rescale);
   return ffi::Error::Success();
 }
@@ -487,7 +588,6 @@ ffi::Error GroupedDense(ffi::ThreadPool& pool, const char* what, bool int4, cons
   std::vector<Member> members;
   if (ffi::Error e = members_of(what, int4, x, args, rets, int4 ? block : 1, members); e.failure()) return e;
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
-  const QuantizedRows xq = quantize(pool, x);
   // bfloat16 outputs take their sums in scratch (int32 or float32, 4 bytes either way).
   int64_t scratch_words = 0, total_n = 0, widest = 0;
   for (const Member& p : members) {
@@ -502,23 +602,22 @@ ffi::Error GroupedDense(ffi::ThreadPool& pool, const char* what, bool int4, cons
     offset += p.bf16 ? m * p.n : 0;
   }
   const int64_t groups = int4 ? (k + block - 1) / block : 1;
-  const bool gemm = int4 ? path->int4_gemm != nullptr && (groups == 1 || block % path->gemm_x->k_group == 0) &&
-                               m >= gemm_min_rows(*path, true)
-                         : path->int8_gemm != nullptr && m >= gemm_min_rows(*path, false) && k > 0;
-  const float* xs = xq.scale.data();
-  if (gemm) {
-    // Many rows: each product as its own call takes it (the GEMM's tiles), one after another.
+  if (gemm_applies(*path, int4, m, k, int4 ? block : k)) {
+    // Many rows: every product's tiles as its own call takes them, in one set of tasks.
+    std::vector<float> x_scale(static_cast<size_t>(m));
+    std::vector<Rescale> rescales;
+    std::vector<GemmProduct> products;
+    rescales.reserve(members.size());
     for (const Member& p : members) {
-      const Rescale rescale{xs, p.scale, nullptr, p.bf16, p.out};
-      if (int4)
-        int4_product(pool, *path, xq.q.get(), m, k, static_cast<const uint8_t*>(p.w), p.n, block, p.scale,
-                     static_cast<float*>(p.sums), &rescale);
-      else
-        int8_product(pool, *path, xq.q.get(), m, k, static_cast<const int8_t*>(p.w), p.n,
-                     static_cast<int32_t*>(p.sums), &rescale);
+      rescales.push_back(Rescale{x_scale.data(), int4 ? nullptr : p.scale, nullptr, p.bf16, p.out});
+      products.push_back(GemmProduct{p.w, p.n, int4 ? p.scale : nullptr, p.sums, &rescales.back()});
     }
+    gemm_call(pool, *path, int4, float_input(x, x_scale), m, k, int4 ? block : k, products.data(),
+              static_cast<int64_t>(products.size()));
     return ffi::Error::Success();
   }
+  const QuantizedRows xq = quantize(pool, x);
+  const float* xs = xq.scale.data();
   // Few rows: the streaming kernels over column ranges of every product, as many ranges in all as
   // threads (whole 64-column chunks, none across two products), claimed as threads come free;
   // each range is rescaled by the thread that computed it.

@@ -8,9 +8,9 @@
 // go Tile::KG at a time, one int32 word per row of x or column of the weights: AVX2 pairs of
 // int16 for vpmaddwd (exact for every int8 value, -128 included: nothing saturates), VNNI quads of
 // bytes for vpdpbusd (unsigned times signed bytes, four products into a 32-bit lane).
-//   - x is packed once per call (GemmX::pack, before the work is split) into panels of Tile::MR
-//     rows: [panel][group][row] words; for VNNI then each row's sum over each block of K rows
-//     (int8: one block, all of K), for the offset below;
+//   - x is packed once per call (GemmX::pack, a run of rows per task in the call's first phase)
+//     into panels of Tile::MR rows: [panel][group][row] words; for VNNI then each row's sum over
+//     each block of K rows (int8: one block, all of K), for the offset below;
 //   - each task (a block of rows times a block of at most kGemmCols columns) packs the weights of
 //     one K chunk at a time into strips of Tile::NR columns, [strip][group][column] words (int4
 //     nibbles unpacked there; VNNI: each byte offset to unsigned, int8 w xor 0x80 = w + 128, int4
@@ -43,7 +43,8 @@
 namespace autopolicy_cpu {
 namespace {
 
-// x for the vpdpbusd GEMMs (kernels.h's kQuadsZmmX, kQuadsYmmX): the words it takes, and x packed.
+// x for the vpdpbusd GEMMs (kernels.h's kQuadsZmmX, kQuadsYmmX): the words it takes, and the
+// panels of rows [r0, r1) packed (each row's sums too).
 template <int64_t MR>
 int64_t quads_words(int64_t m, int64_t k, int64_t block) {
   const int64_t groups = block >= k ? 1 : (k + block - 1) / block;
@@ -51,11 +52,11 @@ int64_t quads_words(int64_t m, int64_t k, int64_t block) {
 }
 
 template <int64_t MR>
-void pack_x_quads(const int8_t* x, int64_t m, int64_t k, int64_t block, int32_t* a) {
+void pack_x_quads(const int8_t* x, int64_t m, int64_t k, int64_t block, int64_t r0, int64_t r1, int32_t* a) {
   const int64_t quads = (k + 3) / 4, whole = k / 4, panels = (m + MR - 1) / MR, padded = panels * MR;
   const int64_t groups = block >= k ? 1 : (k + block - 1) / block, span = groups == 1 ? k : block;
   int32_t* sums = a + x_quads(m, k, MR);
-  for (int64_t panel = 0; panel < panels; ++panel) {
+  for (int64_t panel = r0 / MR; panel < std::min(panels, (r1 + MR - 1) / MR); ++panel) {
     int32_t* dst = a + panel * quads * MR;
     const int8_t* rows[MR];
     for (int64_t rr = 0; rr < MR; ++rr) rows[rr] = panel * MR + rr < m ? x + (panel * MR + rr) * k : nullptr;

@@ -54,14 +54,16 @@ constexpr int64_t kGemmRows = 4, kGemmStrip = 24, kGemmDepth = 512, kGemmCols = 
 constexpr int64_t kGemmPanelBytes = 1024 * 1024;
 constexpr int64_t kVnniGemmDepth = 512, kVnniPanelBytes = 192 * 1024;
 
-// How a path's GEMMs take x: packed once per call, before the work is split, into panels of
-// `rows` rows (`words(m, k, block)` int32 words); their tasks are blocks of whole panels times
-// blocks of columns, best a multiple of `strip` wide. K rows go `k_group` at a time (an int4
-// block must be a multiple of it, or all of K).
+// How a path's GEMMs take x: packed once per call, in the first phase of its tasks, into panels
+// of `rows` rows (`words(m, k, block)` int32 words); pack(x, m, k, block, r0, r1, a) writes the
+// panels of rows [r0, r1) of x (m, k) (r0 a multiple of `rows`; r1 too, or m), so a task can
+// pack the rows it has just quantized. The tiles' tasks are blocks of whole panels times blocks
+// of columns, best a multiple of `strip` wide. K rows go `k_group` at a time (an int4 block must
+// be a multiple of it, or all of K).
 struct GemmX {
   int64_t rows, strip, k_group;
   int64_t (*words)(int64_t m, int64_t k, int64_t block);
-  void (*pack)(const int8_t* x, int64_t m, int64_t k, int64_t block, int32_t* a);
+  void (*pack)(const int8_t* x, int64_t m, int64_t k, int64_t block, int64_t r0, int64_t r1, int32_t* a);
 };
 extern const GemmX kPairsX;  // the AVX2 GEMMs' (pack_x_pairs)
 // The vpdpbusd GEMMs' (AVX512-VNNI, AVX-VNNI): [panel][quad][row] words (x_quads(m, k, rows) of
