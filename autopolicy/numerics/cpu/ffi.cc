@@ -211,10 +211,7 @@ void gemm_call(ffi::ThreadPool& pool, const Path& path, bool int4, const GemmInp
   for (int64_t i = 0; i < count; ++i) work += m * (int4 ? (k + 1) / 2 : k) * products[i].n;
   const Runner run_on = runner_for(pool, work, m * k);
   const int64_t threads = run_on.threads();
-  // Left uninitialized: the quantizer and the pack write every value.
-  std::unique_ptr<int8_t[]> quantized(x.float_x != nullptr ? new int8_t[static_cast<size_t>(m * k)] : nullptr);
-  int8_t* q = x.float_x != nullptr ? quantized.get() : nullptr;
-  const int8_t* xq = x.float_x != nullptr ? q : x.q;
+  // Left uninitialized: the pack writes every word.
   std::unique_ptr<int32_t[]> packed(new int32_t[static_cast<size_t>(layout.words(m, k, block))]);
   int32_t* a = packed.get();
   // The first phase: runs of whole panels of rows, one per thread from kParallelQuantize values.
@@ -238,8 +235,19 @@ void gemm_call(ffi::ThreadPool& pool, const Path& path, bool int4, const GemmInp
   share_tasks(*run_on.pool, tasks, threads, [=, &layout, &x](int64_t t) {
     if (t < first) {
       const int64_t r0 = t * run_rows, r1 = std::min(m, r0 + run_rows);
-      if (q != nullptr) quantize_rows(x.float_x + r0 * row_bytes, x.bf16, r1 - r0, k, q + r0 * k, x.x_scale + r0);
-      layout.pack(xq, m, k, block, r0, r1, a);
+      if (x.float_x == nullptr) {
+        layout.pack(x.q + r0 * k, m, k, block, r0, r1, a);
+        return;
+      }
+      // A panel at a time through a buffer that stays in this thread's cache: the quantized x is
+      // never written out whole (nor read back).
+      thread_local std::vector<int8_t> panel;
+      if (panel.size() < static_cast<size_t>(layout.rows * k)) panel.resize(static_cast<size_t>(layout.rows * k));
+      for (int64_t r = r0; r < r1; r += layout.rows) {
+        const int64_t e = std::min(r1, r + layout.rows);
+        quantize_rows(x.float_x + r * row_bytes, x.bf16, e - r, k, panel.data(), x.x_scale + r);
+        layout.pack(panel.data(), m, k, block, r, e, a);
+      }
       return;
     }
     const int64_t i = std::upper_bound(sp, sp + count, t) - sp - 1, cell = t - sp[i];

@@ -47,12 +47,13 @@ void pack_x_pairs_avx2(const int8_t* x, int64_t m, int64_t k, int32_t* a);
 
 namespace {
 int64_t pairs_words(int64_t m, int64_t k, int64_t) { return (m + kGemmRows - 1) / kGemmRows * kGemmRows * ((k + 1) / 2); }
-// Rows [r0, r1): their panels are whole panels of a pack of those rows alone (r0 * pairs words in).
+// Rows [r0, r1) (x holds them alone): their panels are whole panels of a pack of those rows
+// alone, r0 * pairs words in.
 void pack_pairs(const int8_t* x, int64_t, int64_t k, int64_t, int64_t r0, int64_t r1, int32_t* a) {
 #if defined(__x86_64__)
-  pack_x_pairs_avx2(x + r0 * k, r1 - r0, k, a + r0 * ((k + 1) / 2));  // kPairsX is the AVX2 path's
+  pack_x_pairs_avx2(x, r1 - r0, k, a + r0 * ((k + 1) / 2));  // kPairsX is the AVX2 path's
 #else
-  pack_x_pairs(x + r0 * k, r1 - r0, k, a + r0 * ((k + 1) / 2));
+  pack_x_pairs(x, r1 - r0, k, a + r0 * ((k + 1) / 2));
 #endif
 }
 }  // namespace

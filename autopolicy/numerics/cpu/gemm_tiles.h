@@ -44,7 +44,7 @@ namespace autopolicy_cpu {
 namespace {
 
 // x for the vpdpbusd GEMMs (kernels.h's kQuadsZmmX, kQuadsYmmX): the words it takes, and the
-// panels of rows [r0, r1) packed (each row's sums too).
+// panels of rows [r0, r1) packed (each row's sums too) from x holding those rows alone.
 template <int64_t MR>
 int64_t quads_words(int64_t m, int64_t k, int64_t block) {
   const int64_t groups = block >= k ? 1 : (k + block - 1) / block;
@@ -59,7 +59,7 @@ void pack_x_quads(const int8_t* x, int64_t m, int64_t k, int64_t block, int64_t 
   for (int64_t panel = r0 / MR; panel < std::min(panels, (r1 + MR - 1) / MR); ++panel) {
     int32_t* dst = a + panel * quads * MR;
     const int8_t* rows[MR];
-    for (int64_t rr = 0; rr < MR; ++rr) rows[rr] = panel * MR + rr < m ? x + (panel * MR + rr) * k : nullptr;
+    for (int64_t rr = 0; rr < MR; ++rr) rows[rr] = panel * MR + rr < r1 ? x + (panel * MR + rr - r0) * k : nullptr;
     // A quad at a time across the panel's rows: each row read front to back, the words written in
     // order.
     for (int64_t q = 0; q < whole; ++q)

@@ -55,9 +55,10 @@ constexpr int64_t kGemmPanelBytes = 1024 * 1024;
 constexpr int64_t kVnniGemmDepth = 512, kVnniPanelBytes = 192 * 1024;
 
 // How a path's GEMMs take x: packed once per call, in the first phase of its tasks, into panels
-// of `rows` rows (`words(m, k, block)` int32 words); pack(x, m, k, block, r0, r1, a) writes the
-// panels of rows [r0, r1) of x (m, k) (r0 a multiple of `rows`; r1 too, or m), so a task can
-// pack the rows it has just quantized. The tiles' tasks are blocks of whole panels times blocks
+// of `rows` rows (`words(m, k, block)` int32 words for x (m, k)); pack(x, m, k, block, r0, r1, a)
+// writes the panels of rows [r0, r1) (r0 a multiple of `rows`; r1 too, or m) from x, which holds
+// those rows alone (row r0 first, k values a row), so a task can pack a panel it has just
+// quantized while it is in its cache. The tiles' tasks are blocks of whole panels times blocks
 // of columns, best a multiple of `strip` wide. K rows go `k_group` at a time (an int4 block must
 // be a multiple of it, or all of K).
 struct GemmX {
