@@ -440,7 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", type=_shape, default=list(SHAPES), help="K x N, e.g. 576x1536")
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
-    parser.add_argument("--repeats", type=int, default=None, help="rounds (default: 9 at batch <= 32, else 5; 12 with --ramp)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds (default: 9; 12 with --ramp)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--streamed-batches", nargs="*", type=int, default=[1],
                         help="batches timed as a decoder runs its layers: chains of dependent calls "
@@ -489,7 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     for k, n in args.shapes:
         bw = max(bw, bandwidth(1.0))  # the machine's memory is shared: the limit is the best it gave
         for m in args.batches:
-            repeats = args.repeats or (9 if m <= 32 else 5)
+            # 9 rounds at every batch: with 5 at batch 256 the 2-core EPYC's medians of one shape
+            # moved far between runs (int8 576 x 576: 1.56x and 1.14x float32 in two runs of 5
+            # rounds, 1.67x in one of 15).
+            repeats = args.repeats or 9
             if m in args.streamed_batches:
                 new = bench_streamed(m, k, n, repeats, args.seed, budget=budget, warm=args.warm)
             else:
