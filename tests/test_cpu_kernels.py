@@ -971,20 +971,17 @@ def test_the_tuners_fingerprint_names_the_kernel_path_and_build(path_restored, m
     assert hardware.detect()["cpu_kernels"]["path"] == "portable"
     assert hardware.fingerprint() != hardware.fingerprint(info)
     cpu_kernels.set_path(PATHS[0])
-    try:  # a thread count set for the calls times them otherwise: a fingerprint of its own
-        cpu_kernels.set_threads(1)
-        assert hardware.detect()["cpu_kernels"]["threads"] == 1
-        assert hardware.fingerprint() != hardware.fingerprint(info)
-    finally:
-        cpu_kernels.set_threads(None)
-    assert hardware.fingerprint() == hardware.fingerprint(info)
-    try:  # so does a size of x from which the calls use XLA's pool other than the default
-        cpu_kernels.set_pool_min_values(0)
-        assert hardware.detect()["cpu_kernels"]["pool_min_values"] == 0
-        assert hardware.fingerprint() != hardware.fingerprint(info)
-    finally:
-        cpu_kernels.set_pool_min_values(None)
-    assert hardware.fingerprint() == hardware.fingerprint(info)
+    # A thread count set for the calls times them otherwise: a fingerprint of its own; so does a
+    # size of x from which the calls use XLA's pool other than the default.
+    for setter, key, value in ((cpu_kernels.set_threads, "threads", 1),
+                               (cpu_kernels.set_pool_min_values, "pool_min_values", 0)):
+        try:
+            setter(value)
+            assert hardware.detect()["cpu_kernels"][key] == value
+            assert hardware.fingerprint() != hardware.fingerprint(info)
+        finally:
+            setter(None)
+        assert hardware.fingerprint() == hardware.fingerprint(info)
     # Projections called one by one time a decoder otherwise too.
     monkeypatch.setenv("AUTOPOLICY_GROUPED_PROJECTIONS", "0")
     assert hardware.detect()["cpu_kernels"]["grouped_projections"] is False

@@ -100,6 +100,11 @@ int64_t g_threads = -2;           // -2: not read yet; 0: XLA's pool's
 
 }  // namespace
 
+int64_t env_int(const char* name, int64_t unset) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? std::atoll(value) : unset;
+}
+
 const Path& current_path() {
   if (g_path == nullptr) g_path = best();
   return *g_path;
@@ -114,8 +119,7 @@ bool set_path(const char* name) {
 
 int64_t gemm_min_rows(const Path& path, bool int4) {
   if (g_gemm_min_rows < 0) {
-    const char* forced = std::getenv("AUTOPOLICY_CPU_GEMM_MIN_ROWS");
-    set_gemm_min_rows(forced != nullptr && *forced != '\0' ? std::atoll(forced) : 0);
+    set_gemm_min_rows(env_int("AUTOPOLICY_CPU_GEMM_MIN_ROWS", 0));
   }
   if (g_gemm_min_rows > 0) return g_gemm_min_rows;
   return int4 ? path.int4_gemm_rows : path.int8_gemm_rows;
@@ -127,8 +131,7 @@ void set_gemm_min_rows(int64_t rows) { g_gemm_min_rows = rows < 1 ? 0 : rows; }
 
 int64_t serial_max_bytes() {
   if (g_serial_max_bytes == -2) {
-    const char* forced = std::getenv("AUTOPOLICY_CPU_SERIAL_BYTES");
-    set_serial_max_bytes(forced != nullptr && *forced != '\0' ? std::atoll(forced) : -1);
+    set_serial_max_bytes(env_int("AUTOPOLICY_CPU_SERIAL_BYTES", -1));
   }
   return g_serial_max_bytes;
 }
@@ -137,8 +140,7 @@ void set_serial_max_bytes(int64_t bytes) { g_serial_max_bytes = bytes < 0 ? kSer
 
 int64_t pool_min_values() {
   if (g_pool_min_values == -2) {
-    const char* forced = std::getenv("AUTOPOLICY_CPU_POOL_VALUES");
-    set_pool_min_values(forced != nullptr && *forced != '\0' ? std::atoll(forced) : -1);
+    set_pool_min_values(env_int("AUTOPOLICY_CPU_POOL_VALUES", -1));
   }
   return g_pool_min_values;
 }
@@ -147,8 +149,7 @@ void set_pool_min_values(int64_t values) { g_pool_min_values = values < 0 ? kPoo
 
 int64_t threads_override() {
   if (g_threads == -2) {
-    const char* forced = std::getenv("AUTOPOLICY_CPU_THREADS");
-    set_threads_override(forced != nullptr && *forced != '\0' ? std::atoll(forced) : 0);
+    set_threads_override(env_int("AUTOPOLICY_CPU_THREADS", 0));
   }
   return g_threads;
 }

@@ -154,8 +154,7 @@ void wait_until(const std::atomic<int64_t>& count, int64_t target) {
 int64_t spin_us() {
   int64_t v = g_spin_us.load(std::memory_order_relaxed);
   if (v == -2) {
-    const char* forced = std::getenv("AUTOPOLICY_CPU_SPIN_US");
-    set_spin_us(forced != nullptr && *forced != '\0' ? std::atoll(forced) : -1);
+    set_spin_us(env_int("AUTOPOLICY_CPU_SPIN_US", -1));
     v = g_spin_us.load();
   }
   return v;

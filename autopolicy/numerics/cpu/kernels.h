@@ -100,6 +100,10 @@ void int8_gemm_avxvnni(const int32_t* xp, int64_t m, int64_t k, const int8_t* w,
 void int4_gemm_avxvnni(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                        const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
 
+// The integer an environment variable holds (the settings below read theirs once, at the first
+// call), or `unset` where it is missing or empty.
+int64_t env_int(const char* name, int64_t unset);
+
 // The fewest rows of x for which the FFI calls the current path's GEMM, for the int8 (int4 =
 // false) or int4 product; below, the streaming kernels. The paths' thresholds were measured
 // (dispatch.cc); int64 max: never. set_gemm_min_rows sets one for both products on every path
