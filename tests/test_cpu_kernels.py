@@ -189,13 +189,23 @@ def test_the_int8_gemm_is_exact(rows, k, n, extremes, gemm_everywhere, path_rest
 @needs_kernels
 @pytest.mark.parametrize("rows,k,n", GEMM_SHAPES)
 @pytest.mark.parametrize("block", ["channel", 2, 32, 600])
-def test_the_int4_gemm_equals_the_portable_path(rows, k, n, block, gemm_everywhere, path_restored):
+@pytest.mark.parametrize("extremes", [False, True])
+def test_the_int4_gemm_equals_the_portable_path(rows, k, n, block, extremes, gemm_everywhere, path_restored):
     """Bit for bit: the same int32 block sums, the same float32 operations in the same order
-    (blocks of 600 rows are longer than one K chunk: their sums cross chunks in int32)."""
+    (blocks of 600 rows are longer than one K chunk: their sums cross chunks in int32). With
+    extremes, the first row of x is all -128 and the last all 127, the first column of the weights
+    all 7 and the last all -8: AVX2's vpmaddubsw GEMM adds 32 K rows in int16 lanes before it
+    widens them, and these corners are the largest such sums (+-30720, where one more quad of K
+    rows would wrap)."""
     block = k if block == "channel" or block > k else block
     rng = np.random.default_rng(k * n + block + 1)
-    x = rng.integers(-128, 128, (rows, k)).astype(np.int8)
-    q = rng.integers(-8, 8, (k, n)).astype(np.int8)
+    if extremes:
+        x = rng.choice(np.array([-128, 127, -1, 0], np.int8), (rows, k))
+        q = rng.choice(np.array([-8, 7, -1, 0], np.int8), (k, n))
+        x[0], x[-1], q[:, 0], q[:, -1] = -128, 127, 7, -8
+    else:
+        x = rng.integers(-128, 128, (rows, k)).astype(np.int8)
+        q = rng.integers(-8, 8, (k, n)).astype(np.int8)
     scale = rng.uniform(0.01, 2.0, (-(-k // block), n)).astype(np.float32)
     _assert_every_int4_path_equals_portable(x, q, scale, block)
 
@@ -221,10 +231,10 @@ def test_the_int4_streaming_kernel_equals_the_portable_path(rows, k, n, block, p
 def test_the_gemm_thresholds_are_the_paths_and_settable(path, path_restored):
     cpu_kernels.set_path(path)
     defaults = cpu_kernels.gemm_min_rows("int8"), cpu_kernels.gemm_min_rows("int4")
-    # Measured: AVX2's int4 stream (vpmaddubsw) beats its vpmaddwd GEMM at every M; the
-    # AVX512-VNNI GEMMs beat its streams from 16 rows; AVX-VNNI's int8 GEMM beats the AVX2 stream
+    # Measured: AVX2's GEMMs beat its streams from 16 rows (int8, vpmaddwd) and 32 (int4, vpmaddubsw);
+    # the AVX512-VNNI GEMMs beat its streams from 16 rows; AVX-VNNI's int8 GEMM beats the AVX2 stream
     # from 8 rows, its int4 GEMM from 16; the portable path has no GEMM.
-    assert defaults == {"portable": (None, None), "avx2": (16, None), "avx_vnni": (8, 16),
+    assert defaults == {"portable": (None, None), "avx2": (16, 32), "avx_vnni": (8, 16),
                         "avx512_vnni": (16, 16)}[path]
     cpu_kernels.set_gemm_min_rows(3)
     assert (cpu_kernels.gemm_min_rows("int8"), cpu_kernels.gemm_min_rows("int4")) == (3, 3)

@@ -180,7 +180,7 @@ void rescale_pass(ffi::ThreadPool& pool, const Sums* sums, int64_t m, int64_t n,
 // VNNI quads, and none may straddle a block).
 bool gemm_applies(const Path& path, bool int4, int64_t m, int64_t k, int64_t block) {
   if (int4)
-    return path.int4_gemm != nullptr && (block >= k || block % path.gemm_x->k_group == 0) &&
+    return path.int4_gemm != nullptr && (block >= k || block % path.int4_gemm_x->k_group == 0) &&
            m >= gemm_min_rows(path, true);
   return path.int8_gemm != nullptr && m >= gemm_min_rows(path, false) && k > 0;
 }
@@ -206,7 +206,7 @@ struct GemmInput {
 
 void gemm_call(ffi::ThreadPool& pool, const Path& path, bool int4, const GemmInput& x, int64_t m, int64_t k,
                int64_t block, const GemmProduct* products, int64_t count) {
-  const GemmX& layout = *path.gemm_x;
+  const GemmX& layout = int4 ? *path.int4_gemm_x : *path.gemm_x;
   int64_t work = 0;
   for (int64_t i = 0; i < count; ++i) work += m * (int4 ? (k + 1) / 2 : k) * products[i].n;
   const Runner run_on = runner_for(pool, work, m * k);

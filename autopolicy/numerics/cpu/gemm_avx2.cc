@@ -1,11 +1,16 @@
-// The AVX2 GEMMs for many rows of x (M >= gemm_min_rows()), on gemm_tiles.h's drivers: the int8
-// product uses them from 16 rows; the int4 one only when forced (set_gemm_min_rows): the int4
-// streaming kernel (gemv_avx2.cc, vpmaddubsw on nibbles + 8) was measured faster at every M.
-// K rows go in pairs: x packed as one int32 word of two int16 per pair (pack_x_pairs), the
-// weights as two int16 per pair of a column (int4 nibbles unpacked to int16); the micro-kernel
-// holds a 4 x 24 tile of int32 sums in 12 YMM registers and per K pair loads 3 weight vectors,
-// broadcasts 4 x words, and runs 12 vpmaddwd (exact for every int8 value, -128 included: unlike
-// vpmaddubsw nothing saturates) and 12 vpaddd.
+// The AVX2 GEMMs for many rows of x (M >= gemm_min_rows()), on gemm_tiles.h's drivers.
+// int8: K rows go in pairs: x packed as one int32 word of two int16 per pair (pack_x_pairs), the
+// weights as two int16 per pair of a column; the micro-kernel holds a 4 x 24 tile of int32 sums
+// in 12 YMM registers and per K pair loads 3 weight vectors, broadcasts 4 x words, and runs 12
+// vpmaddwd (exact for every int8 value, -128 included: unlike vpmaddubsw nothing saturates) and
+// 12 vpaddd.
+// int4: K rows go in quads, laid out as the vpdpbusd GEMMs lay them out (x as signed bytes, each
+// weight nibble offset to unsigned, v + 8 in [0, 15]); vpmaddubsw multiplies each weight byte by
+// its x byte and adds neighbours into int16 lanes, 32 products an instruction where vpmaddwd makes
+// 16. Nothing saturates: a lane's two products come to at most 2 * 15 * 128 = 3840 in magnitude,
+// so eight quads (32 K rows) add up in int16 below 32768, and then one vpmaddwd by ones widens a
+// column's two lanes into its int32 sum. The offset (8 times each row's sum of x over the block)
+// starts the sums at minus it, as on VNNI.
 // Everything before the target pragma is compiled for the baseline ISA.
 #include <algorithm>
 #include <cstdint>
@@ -134,35 +139,6 @@ void pack_int8(const int8_t* w, int64_t k, int64_t n, int64_t p0, int64_t p1, in
   }
 }
 
-// int4: byte row p holds rows 2p (low nibble) and 2p + 1 (high), already the pair a word needs.
-void pack_int4(const uint8_t* w, int64_t n, int64_t p0, int64_t p1, int64_t c0, int64_t c1, int32_t* b) {
-  const int64_t pairs = p1 - p0, width = c1 - c0;
-  const int64_t strips = (width + NR - 1) / NR;
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* row = w + p * n;
-    for (int64_t s = 0; s < strips; ++s) {
-      int32_t* dst = b + (s * pairs + (p - p0)) * NR;
-      for (int64_t g = 0; g < NR; g += 8) {
-        const int64_t c = c0 + s * NR + g;
-        if (c + 8 <= c1) {
-          // byte v in a 32-bit lane; v | v << 12 puts the high nibble in bits 16-19; each 16-bit
-          // half then sign-extends its low 4 bits.
-          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
-          const __m256i t = _mm256_or_si256(v, _mm256_slli_epi32(v, 12));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g), _mm256_srai_epi16(_mm256_slli_epi16(t, 12), 12));
-        } else {
-          for (int64_t j = 0; j < 8; ++j) {
-            const int64_t col = c + j;
-            const uint8_t v = col < c1 ? row[col] : 0;
-            const int32_t lo = static_cast<int8_t>(static_cast<uint8_t>(v << 4)) >> 4, hi = static_cast<int8_t>(v) >> 4;
-            dst[g + j] = static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
-          }
-        }
-      }
-    }
-  }
-}
-
 struct MaddPairs {  // vpmaddwd: two int16 products a lane, exact; vpaddd into the sums
   static inline __m256i add(__m256i sums, __m256i w, __m256i x) {
     return _mm256_add_epi32(sums, _mm256_madd_epi16(w, x));
@@ -177,11 +153,79 @@ struct Avx2Pairs : Ymm4x24<MaddPairs> {
   static void pack8(const int8_t* w, int64_t k, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
     pack_int8(w, k, n, g0, g1, c0, c1, reinterpret_cast<int32_t*>(b));
   }
-  static void pack4(const uint8_t* w, int64_t, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
-    pack_int4(w, n, g0, g1, c0, c1, reinterpret_cast<int32_t*>(b));
-  }
 };
 static_assert(Avx2Pairs::MR == kGemmRows && Avx2Pairs::NR == kGemmStrip, "kernels.h's tile");
+
+// int4 on vpmaddubsw: a tile of 6 x 16 int32 sums, each run of up to kRun quads of K rows added
+// in 12 int16 sums that then widen into the int32 ones.
+constexpr int64_t kInt4Rows = 6, kInt4Strip = 16;
+constexpr int64_t kRun = 8;  // 8 * 3840 < 32768
+
+// One run of `run` quads (1 to kRun): c (6 x 2 int32 vectors, in memory) += the products. In
+// assembly: per quad, the strip's 2 weight vectors loaded; per row, a broadcast of its x word
+// and 2 vpmaddubsw (unsigned weights by signed x), each added into its int16 sum: the 12 sums, 2
+// weight vectors, the broadcast and a product are the 16 YMM registers. gcc 12 spilled the sums
+// of the same loop written with intrinsics. One core of the 2-core Zen 3 EPYC, strips in L1,
+// nine alternated timings each (G products/s, medians): this 6 x 16 tile 112, 4 x 16 and 3 x 24
+// (weights held) 98, 4 x 24 (weights reloaded each row, the registers being short) 87, and the
+// 4 x 24 loop in intrinsics 34-39.
+#define AP_INT4_ROW(xoff, h0, h1)                                                               \
+  "vpbroadcastd " xoff "(%[a]), %%ymm14\n\t"                                                     \
+  "vpmaddubsw %%ymm14, %%ymm12, %%ymm15\n\tvpaddw %%ymm15, %%ymm" h0 ", %%ymm" h0 "\n\t"          \
+  "vpmaddubsw %%ymm14, %%ymm13, %%ymm15\n\tvpaddw %%ymm15, %%ymm" h1 ", %%ymm" h1 "\n\t"
+#define AP_INT4_WIDEN(off, h)                                                              \
+  "vpmaddwd %%ymm15, %%ymm" h ", %%ymm" h "\n\tvpaddd " off "(%[c]), %%ymm" h ", %%ymm" h "\n\t" \
+  "vmovdqu %%ymm" h ", " off "(%[c])\n\t"
+__attribute__((noinline)) void int4_run(const int32_t* a, const uint8_t* b, int64_t run, __m256i* c) {
+  static_assert(kInt4Rows == 6 && kInt4Strip == 16, "the assembly is a 6 x 16 tile");
+  asm volatile(
+      "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+      "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+      "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\tvpxor %%xmm8, %%xmm8, %%xmm8\n\t"
+      "vpxor %%xmm9, %%xmm9, %%xmm9\n\tvpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"
+      "1:\n\t"
+      "vmovdqu (%[b]), %%ymm12\n\tvmovdqu 32(%[b]), %%ymm13\n\t"
+      AP_INT4_ROW("0", "0", "1") AP_INT4_ROW("4", "2", "3") AP_INT4_ROW("8", "4", "5")
+      AP_INT4_ROW("12", "6", "7") AP_INT4_ROW("16", "8", "9") AP_INT4_ROW("20", "10", "11")
+      "add $24, %[a]\n\tadd $64, %[b]\n\tdec %[n]\n\tjnz 1b\n\t"
+      "vpcmpeqw %%ymm15, %%ymm15, %%ymm15\n\tvpsrlw $15, %%ymm15, %%ymm15\n\t"  // int16 ones
+      AP_INT4_WIDEN("0", "0") AP_INT4_WIDEN("32", "1") AP_INT4_WIDEN("64", "2") AP_INT4_WIDEN("96", "3")
+      AP_INT4_WIDEN("128", "4") AP_INT4_WIDEN("160", "5") AP_INT4_WIDEN("192", "6") AP_INT4_WIDEN("224", "7")
+      AP_INT4_WIDEN("256", "8") AP_INT4_WIDEN("288", "9") AP_INT4_WIDEN("320", "10") AP_INT4_WIDEN("352", "11")
+      : [a] "+r"(a), [b] "+r"(b), [n] "+r"(run)
+      : [c] "r"(c)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+}
+#undef AP_INT4_ROW
+#undef AP_INT4_WIDEN
+
+struct Avx2Int4Quads : QuadLayout<kInt4Strip> {
+  static constexpr int64_t MR = kInt4Rows, NR = kInt4Strip;
+  static constexpr int64_t kDepthRows = 2 * kGemmDepth, kPanelBytes = kGemmPanelBytes;
+
+  static inline void micro(const int32_t* a, const uint8_t* b, int64_t groups, const int32_t* init, int64_t ldi,
+                           const int32_t* start, int32_t* dst, int64_t ldd) {
+    alignas(32) __m256i c[MR * 2];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 2; ++j)
+        c[2 * r + j] = init != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init + r * ldi + 8 * j))
+                                       : _mm256_set1_epi32(start[r]);
+    for (int64_t p = 0; p < groups; p += kRun) {
+      const int64_t run = std::min(kRun, groups - p);
+      int4_run(a, b, run, c);
+      a += run * MR;
+      b += run * NR * 4;
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 2; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ldd + 8 * j), c[2 * r + j]);
+  }
+
+  static void scale_tile(const int32_t* tile, int64_t rows, int64_t cols, const float* scale, bool first, float* out,
+                         int64_t ldo) {
+    ymm_scale_tile<NR>(tile, rows, cols, scale, first, out, ldo);
+  }
+};
 
 }  // namespace
 
@@ -192,8 +236,11 @@ void int8_gemm_avx2(const int32_t* a, int64_t m, int64_t k, const int8_t* w, int
 
 void int4_gemm_avx2(const int32_t* a, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                     const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out) {
-  int4_gemm_tiles<Avx2Pairs>(a, m, k, w, n, block, scale, r0, r1, n0, n1, out);
+  int4_gemm_tiles<Avx2Int4Quads>(a, m, k, w, n, block, scale, r0, r1, n0, n1, out);
 }
+
+const GemmX kQuadsAvx2X{Avx2Int4Quads::MR, Avx2Int4Quads::NR, Avx2Int4Quads::KG,
+                        quads_words<Avx2Int4Quads::MR>, pack_x_quads<Avx2Int4Quads::MR>};
 
 }  // namespace autopolicy_cpu
 

@@ -178,6 +178,30 @@ struct QuadLayout {
   }
 };
 
+// out = term (first block) or out + term, term = float(sum) * scale, eight columns at a time and
+// the last ones one by one: the portable path's float operations in its order. tile: rows x cols
+// of int32 sums (ld NR).
+template <int64_t NR>
+void ymm_scale_tile(const int32_t* tile, int64_t rows, int64_t cols, const float* scale, bool first, float* out,
+                    int64_t ldo) {
+  int64_t j = 0;
+  for (; j + 8 <= cols; j += 8) {
+    const __m256 s = _mm256_loadu_ps(scale + j);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 term = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + r * NR + j))), s);
+      float* y = out + r * ldo + j;
+      _mm256_storeu_ps(y, first ? term : _mm256_add_ps(_mm256_loadu_ps(y), term));
+    }
+  }
+  for (; j < cols; ++j)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float term = static_cast<float>(tile[r * NR + j]) * scale[j];
+      float* y = out + r * ldo + j;
+      *y = first ? term : *y + term;
+    }
+}
+
 // A 4 x 24 tile of int32 sums in 12 YMM registers (AVX2 pairs, AVX-VNNI quads): per group of K
 // rows it loads 3 weight vectors, broadcasts 4 x words and adds 12 products with Op::add(sums,
 // weights, x).
@@ -213,27 +237,9 @@ struct Ymm4x24 {
       for (int j = 0; j < 3; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ldd + 8 * j), c[r][j]);
   }
 
-  // out = term (first block) or out + term, term = float(sum) * scale, eight columns at a time
-  // and the last ones one by one: the portable path's float operations in its order. tile: rows x
-  // cols of int32 sums (ld NR).
   static void scale_tile(const int32_t* tile, int64_t rows, int64_t cols, const float* scale, bool first, float* out,
                          int64_t ldo) {
-    int64_t j = 0;
-    for (; j + 8 <= cols; j += 8) {
-      const __m256 s = _mm256_loadu_ps(scale + j);
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m256 term = _mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + r * NR + j))), s);
-        float* y = out + r * ldo + j;
-        _mm256_storeu_ps(y, first ? term : _mm256_add_ps(_mm256_loadu_ps(y), term));
-      }
-    }
-    for (; j < cols; ++j)
-      for (int64_t r = 0; r < rows; ++r) {
-        const float term = static_cast<float>(tile[r * NR + j]) * scale[j];
-        float* y = out + r * ldo + j;
-        *y = first ? term : *y + term;
-      }
+    ymm_scale_tile<NR>(tile, rows, cols, scale, first, out, ldo);
   }
 };
 

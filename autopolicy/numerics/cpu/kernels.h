@@ -66,10 +66,11 @@ struct GemmX {
   int64_t (*words)(int64_t m, int64_t k, int64_t block);
   void (*pack)(const int8_t* x, int64_t m, int64_t k, int64_t block, int64_t r0, int64_t r1, int32_t* a);
 };
-extern const GemmX kPairsX;  // the AVX2 GEMMs' (pack_x_pairs)
-// The vpdpbusd GEMMs' (AVX512-VNNI, AVX-VNNI): [panel][quad][row] words (x_quads(m, k, rows) of
-// them), then the sums of each row over each block of K rows, [block][panel * rows + row].
-extern const GemmX kQuadsZmmX, kQuadsYmmX;
+extern const GemmX kPairsX;  // the AVX2 int8 GEMM's (pack_x_pairs)
+// The quads GEMMs' (vpdpbusd on AVX512-VNNI and AVX-VNNI, AVX2's int4 on vpmaddubsw):
+// [panel][quad][row] words (x_quads(m, k, rows) of them), then the sums of each row over each
+// block of K rows, [block][panel * rows + row].
+extern const GemmX kQuadsZmmX, kQuadsYmmX, kQuadsAvx2X;
 inline int64_t x_quads(int64_t m, int64_t k, int64_t rows) { return (m + rows - 1) / rows * rows * ((k + 3) / 4); }
 
 struct Path {
@@ -79,7 +80,8 @@ struct Path {
   Int8GemmFn int8_gemm;  // null: the path has none (its int8/int4 kernels serve every M)
   Int4GemmFn int4_gemm;
   WeightOnlyFn weight_only;  // the GPTQ/AWQ product (weight_only.h) this path's CPUs run
-  const GemmX* gemm_x;       // how int8_gemm and int4_gemm take x (null where the path has neither)
+  const GemmX* gemm_x;       // how int8_gemm takes x (null where the path has none)
+  const GemmX* int4_gemm_x;  // how int4_gemm takes x (null where the path has none)
   int64_t int8_gemm_rows, int4_gemm_rows;  // the fewest rows of x each GEMM takes (gemm_min_rows)
 };
 
@@ -89,6 +91,7 @@ struct Path {
 void pack_x_pairs(const int8_t* x, int64_t m, int64_t k, int32_t* a);
 void int8_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
                     int64_t n0, int64_t n1, int32_t* acc);
+// x as kQuadsAvx2X packs it (int8's takes kPairsX).
 void int4_gemm_avx2(const int32_t* xp, int64_t m, int64_t k, const uint8_t* w, int64_t n, int64_t block,
                     const float* scale, int64_t r0, int64_t r1, int64_t n0, int64_t n1, float* out);
 void int8_gemm_vnni(const int32_t* xp, int64_t m, int64_t k, const int8_t* w, int64_t n, int64_t r0, int64_t r1,
