@@ -92,9 +92,15 @@ TileGrid tile_grid(int64_t threads, int64_t m, int64_t n, int64_t tile_rows, int
   if (col_tasks < want) col_tasks = std::min(strips, want);
   const int64_t col_step = (strips + col_tasks - 1) / col_tasks * strip;
   col_tasks = (n + col_step - 1) / col_step;
-  const int64_t panels = (m + tile_rows - 1) / tile_rows, most = std::max<int64_t>(1, 192 / tile_rows);
+  // At most about 256 rows a task (whole panels), so that a K chunk of x stays in L2 (256 KB of
+  // AVX2 pairs at 512 K rows). Each row block packs its columns' weights again: against 192
+  // rows (two row blocks at batch 256), 256 ran int8 1.00-1.18x at batch 256 on the SmolLM2
+  // shapes and 4096 x 4096 and 0.95-1.10x at 384-512 (experiments/ab_cpu_kernels.py, 9-11
+  // rounds, 2-core Zen 3 EPYC, AVX2); int4 0.96-1.09x. The VNNI tiles were not measured.
+  const int64_t panels = (m + tile_rows - 1) / tile_rows;
+  const int64_t most = std::max<int64_t>(1, (256 + tile_rows - 1) / tile_rows);
   int64_t row_tasks = std::min(panels, std::max<int64_t>(1, (want + col_tasks - 1) / col_tasks));
-  row_tasks = std::max(row_tasks, (panels + most - 1) / most);  // at most 192 rows a task: x's chunk stays in L2
+  row_tasks = std::max(row_tasks, (panels + most - 1) / most);
   const int64_t row_step = (panels + row_tasks - 1) / row_tasks * tile_rows;
   row_tasks = (m + row_step - 1) / row_step;
   return TileGrid{row_step, col_step, row_tasks, col_tasks};
