@@ -158,11 +158,12 @@ def test_long_per_channel_int4_split_over_k_is_exact(path, rows, k, n, path_rest
 
 
 # The GEMMs (M >= gemm_min_rows on paths that have one): (rows, K, N) at the edges of their
-# register tiles (AVX2 and AVX-VNNI 4 x 24, AVX512-VNNI 8 x 48), their K chunks (AVX2 up to 512 rows
-# packed into about 1 MB, VNNI up to 512 rows into about 192 KB: fewer for wide column blocks; K = 2101
-# over 1030 columns crosses chunks on every path) and their tasks: M, N and K not multiples of the
-# tile, odd K, one row, one column, whole tiles over several chunks, several tasks, and a partial
-# last panel after many whole ones at an odd K.
+# register tiles (AVX2 int8 and AVX-VNNI 4 x 24, AVX2 int4 6 x 16, AVX512-VNNI 8 x 48), their K
+# chunks (AVX2 up to 512 rows, 1024 for int4, packed into about 1 MB, VNNI up to 512 rows into
+# about 192 KB: fewer for wide column blocks; K = 2101 over 1030 columns crosses chunks on every
+# path) and their tasks: M, N and K not multiples of the tile, odd K, one row, one column, whole
+# tiles over several chunks, several tasks, and a partial last panel after many whole ones at an
+# odd K.
 GEMM_SHAPES = [(1, 64, 24), (4, 48, 24), (5, 577, 45), (7, 33, 17), (9, 513, 300), (13, 1000, 401), (33, 3, 1),
                (17, 600, 770), (66, 130, 2050), (16, 1030, 96), (5, 2101, 1030), (67, 1001, 40)]
 

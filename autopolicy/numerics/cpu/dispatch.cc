@@ -15,7 +15,7 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 // AVX2 on Zen 3 (reports/cpu-kernels-amd-epyc-avx2-2c.md): int8 from 16 rows (the stream wins
 // below 12-16 rows at 4096 x 4096, up to 16-32 at 576 x 1536); int4 from 32 (its vpmaddubsw GEMM,
 // kernel alone on the SmolLM2 shapes and 4096 x 4096: 0.72-0.87x its stream at 16 rows,
-// 0.91-1.09x at 24-32, 1.02-1.28x at 48, 0.99-1.72x at 256; the vpmaddwd GEMM it replaced never
+// 0.91-1.21x at 24-32, 1.02-1.28x at 48, 0.99-1.72x at 256; the vpmaddwd GEMM it replaced never
 // beat the stream). AVX512-VNNI on a 2-core Xeon (2026-11-26, kernel alone): the int8
 // GEMM was 0.97-1.05x the stream at 8-12 rows, 1.1-1.2x at 16, 1.5x at 32 and 1.6-2.3x at 256
 // on 4096 x 4096 and 576 x 1536; int4's GEMM 1.02-1.29x its stream at 16 rows, 1.3-2.2x at 256
