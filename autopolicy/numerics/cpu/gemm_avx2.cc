@@ -197,8 +197,61 @@ __attribute__((noinline)) void int4_run(const int32_t* a, const uint8_t* b, int6
       : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
         "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
 }
+// The same run ending a block of a whole tile: its sums (c's plus the run's) to float, times the
+// block's scales (s: 16 floats), stored into the 6 rows of out (o, a row every l bytes; p = o +
+// 3 l) or added to them: the float operations of ymm_scale_tile, in its order. Ends the blocks of
+// a short block (int4/32: one run a block) without the tile's int32 sums going through memory
+// twice and a pass of their own.
+#define AP_INT4_END(add, off, h, sj, out)                                                      \
+  "vpmaddwd %%ymm15, %%ymm" h ", %%ymm" h "\n\tvpaddd " off "(%[c]), %%ymm" h ", %%ymm" h "\n\t" \
+  "vcvtdq2ps %%ymm" h ", %%ymm" h "\n\tvmulps " sj "(%[s]), %%ymm" h ", %%ymm" h "\n\t"          \
+  add(out, h) "vmovups %%ymm" h ", " out "\n\t"
+#define AP_INT4_STORE(out, h) ""
+#define AP_INT4_ADD(out, h) "vaddps " out ", %%ymm" h ", %%ymm" h "\n\t"
+#define AP_INT4_ENDS(add)                                                                           \
+  AP_INT4_END(add, "0", "0", "0", "(%[o])") AP_INT4_END(add, "32", "1", "32", "32(%[o])")           \
+  AP_INT4_END(add, "64", "2", "0", "(%[o],%[l])") AP_INT4_END(add, "96", "3", "32", "32(%[o],%[l])") \
+  AP_INT4_END(add, "128", "4", "0", "(%[o],%[l],2)")                                                \
+  AP_INT4_END(add, "160", "5", "32", "32(%[o],%[l],2)") AP_INT4_END(add, "192", "6", "0", "(%[p])")   \
+  AP_INT4_END(add, "224", "7", "32", "32(%[p])") AP_INT4_END(add, "256", "8", "0", "(%[p],%[l])")    \
+  AP_INT4_END(add, "288", "9", "32", "32(%[p],%[l])") AP_INT4_END(add, "320", "10", "0", "(%[p],%[l],2)") \
+  AP_INT4_END(add, "352", "11", "32", "32(%[p],%[l],2)")
+#define AP_INT4_LOOP                                                                                            \
+  "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"             \
+  "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"             \
+  "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\tvpxor %%xmm8, %%xmm8, %%xmm8\n\t"             \
+  "vpxor %%xmm9, %%xmm9, %%xmm9\n\tvpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"        \
+  "1:\n\t"                                                                                                     \
+  "vmovdqu (%[b]), %%ymm12\n\tvmovdqu 32(%[b]), %%ymm13\n\t"                                                    \
+  AP_INT4_ROW("0", "0", "1") AP_INT4_ROW("4", "2", "3") AP_INT4_ROW("8", "4", "5")                              \
+  AP_INT4_ROW("12", "6", "7") AP_INT4_ROW("16", "8", "9") AP_INT4_ROW("20", "10", "11")                         \
+  "add $24, %[a]\n\tadd $64, %[b]\n\tdec %[n]\n\tjnz 1b\n\t"                                                  \
+  "vpcmpeqw %%ymm15, %%ymm15, %%ymm15\n\tvpsrlw $15, %%ymm15, %%ymm15\n\t"
+__attribute__((noinline)) void int4_run_end(const int32_t* a, const uint8_t* b, int64_t run, const __m256i* c,
+                                            const float* s, bool first, float* o, int64_t ldo) {
+  const int64_t l = ldo * static_cast<int64_t>(sizeof(float));
+  float* p = o + 3 * ldo;
+  if (first) {
+    asm volatile(AP_INT4_LOOP AP_INT4_ENDS(AP_INT4_STORE)
+                 : [a] "+r"(a), [b] "+r"(b), [n] "+r"(run)
+                 : [c] "r"(c), [s] "r"(s), [o] "r"(o), [p] "r"(p), [l] "r"(l)
+                 : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+                   "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+  } else {
+    asm volatile(AP_INT4_LOOP AP_INT4_ENDS(AP_INT4_ADD)
+                 : [a] "+r"(a), [b] "+r"(b), [n] "+r"(run)
+                 : [c] "r"(c), [s] "r"(s), [o] "r"(o), [p] "r"(p), [l] "r"(l)
+                 : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+                   "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+  }
+}
 #undef AP_INT4_ROW
 #undef AP_INT4_WIDEN
+#undef AP_INT4_END
+#undef AP_INT4_STORE
+#undef AP_INT4_ADD
+#undef AP_INT4_ENDS
+#undef AP_INT4_LOOP
 
 struct Avx2Int4Quads : QuadLayout<kInt4Strip> {
   static constexpr int64_t MR = kInt4Rows, NR = kInt4Strip;
@@ -224,6 +277,24 @@ struct Avx2Int4Quads : QuadLayout<kInt4Strip> {
   static void scale_tile(const int32_t* tile, int64_t rows, int64_t cols, const float* scale, bool first, float* out,
                          int64_t ldo) {
     ymm_scale_tile<NR>(tile, rows, cols, scale, first, out, ldo);
+  }
+
+  // micro then scale_tile for a whole tile whose block ends here, the last run ending in the
+  // float epilogue (int4_run_end).
+  static constexpr bool kFusedEnd = true;
+  static inline void block_end(const int32_t* a, const uint8_t* b, int64_t groups, const int32_t* init, int64_t ldi,
+                               const int32_t* start, const float* scale, bool first, float* out, int64_t ldo) {
+    alignas(32) __m256i c[MR * 2];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 2; ++j)
+        c[2 * r + j] = init != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init + r * ldi + 8 * j))
+                                       : _mm256_set1_epi32(start[r]);
+    for (; groups > kRun; groups -= kRun) {
+      int4_run(a, b, kRun, c);
+      a += kRun * MR;
+      b += kRun * NR * 4;
+    }
+    int4_run_end(a, b, groups, c, scale, first, out, ldo);
   }
 };
 

@@ -169,6 +169,7 @@ struct QuadLayout {
   static constexpr int64_t KG = 4, kDepthRows = kVnniGemmDepth, kPanelBytes = kVnniPanelBytes;
   static constexpr uint32_t kOffset8 = 128, kOffset4 = 8;
   static constexpr bool kPrefetchSums = false;
+  static constexpr bool kFusedEnd = false;  // int4 blocks end in micro, then scale_tile
 
   static void pack8(const int8_t* w, int64_t k, int64_t n, int64_t g0, int64_t g1, int64_t c0, int64_t c1, uint8_t* b) {
     pack_w8<NR>(w, k, n, g0, g1, c0, c1, b);
@@ -367,9 +368,17 @@ void int4_gemm_tiles(const int32_t* a, int64_t m, int64_t k, const uint8_t* w, i
       const int64_t qe = std::min(g1, b1);
       const int32_t* aq = ap + q * MR;
       const uint8_t* bq = strip + (q - g0) * NR * 4;
+      if (q == b0 && Tile::kOffset4 != 0)
+        for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(Tile::kOffset4, sums[blk * padded + r + rr]);
+      if constexpr (Tile::kFusedEnd) {
+        if (qe == b1 && rows == MR && cols == NR) {  // the block ends here, in its float epilogue
+          Tile::block_end(aq, bq, qe - q, q == b0 ? nullptr : keep, width, start, scale + blk * n + c, blk == 0,
+                          out + r * n + c, n);
+          q = qe;
+          continue;
+        }
+      }
       if (q == b0) {
-        if (Tile::kOffset4 != 0)
-          for (int64_t rr = 0; rr < MR; ++rr) start[rr] = offset_start(Tile::kOffset4, sums[blk * padded + r + rr]);
         Tile::micro(aq, bq, qe - q, nullptr, 0, start, tile, NR);
       } else if (rows == MR && cols == NR) {
         Tile::micro(aq, bq, qe - q, keep, width, start, tile, NR);  // start unread (init given)
