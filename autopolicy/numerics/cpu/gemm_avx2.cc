@@ -176,26 +176,30 @@ constexpr int64_t kRun = 8;  // 8 * 3840 < 32768
 #define AP_INT4_WIDEN(off, h)                                                              \
   "vpmaddwd %%ymm15, %%ymm" h ", %%ymm" h "\n\tvpaddd " off "(%[c]), %%ymm" h ", %%ymm" h "\n\t" \
   "vmovdqu %%ymm" h ", " off "(%[c])\n\t"
+#define AP_INT4_CLOBBERS                                                                                        \
+  "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", \
+      "xmm12", "xmm13", "xmm14", "xmm15"
+#define AP_INT4_LOOP                                                                                            \
+  "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"             \
+  "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"             \
+  "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\tvpxor %%xmm8, %%xmm8, %%xmm8\n\t"             \
+  "vpxor %%xmm9, %%xmm9, %%xmm9\n\tvpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"        \
+  "1:\n\t"                                                                                                     \
+  "vmovdqu (%[b]), %%ymm12\n\tvmovdqu 32(%[b]), %%ymm13\n\t"                                                    \
+  AP_INT4_ROW("0", "0", "1") AP_INT4_ROW("4", "2", "3") AP_INT4_ROW("8", "4", "5")                              \
+  AP_INT4_ROW("12", "6", "7") AP_INT4_ROW("16", "8", "9") AP_INT4_ROW("20", "10", "11")                         \
+  "add $24, %[a]\n\tadd $64, %[b]\n\tdec %[n]\n\tjnz 1b\n\t"                                                  \
+  "vpcmpeqw %%ymm15, %%ymm15, %%ymm15\n\tvpsrlw $15, %%ymm15, %%ymm15\n\t"
 __attribute__((noinline)) void int4_run(const int32_t* a, const uint8_t* b, int64_t run, __m256i* c) {
   static_assert(kInt4Rows == 6 && kInt4Strip == 16, "the assembly is a 6 x 16 tile");
   asm volatile(
-      "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"
-      "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"
-      "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\tvpxor %%xmm8, %%xmm8, %%xmm8\n\t"
-      "vpxor %%xmm9, %%xmm9, %%xmm9\n\tvpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"
-      "1:\n\t"
-      "vmovdqu (%[b]), %%ymm12\n\tvmovdqu 32(%[b]), %%ymm13\n\t"
-      AP_INT4_ROW("0", "0", "1") AP_INT4_ROW("4", "2", "3") AP_INT4_ROW("8", "4", "5")
-      AP_INT4_ROW("12", "6", "7") AP_INT4_ROW("16", "8", "9") AP_INT4_ROW("20", "10", "11")
-      "add $24, %[a]\n\tadd $64, %[b]\n\tdec %[n]\n\tjnz 1b\n\t"
-      "vpcmpeqw %%ymm15, %%ymm15, %%ymm15\n\tvpsrlw $15, %%ymm15, %%ymm15\n\t"  // int16 ones
+      AP_INT4_LOOP
       AP_INT4_WIDEN("0", "0") AP_INT4_WIDEN("32", "1") AP_INT4_WIDEN("64", "2") AP_INT4_WIDEN("96", "3")
       AP_INT4_WIDEN("128", "4") AP_INT4_WIDEN("160", "5") AP_INT4_WIDEN("192", "6") AP_INT4_WIDEN("224", "7")
       AP_INT4_WIDEN("256", "8") AP_INT4_WIDEN("288", "9") AP_INT4_WIDEN("320", "10") AP_INT4_WIDEN("352", "11")
       : [a] "+r"(a), [b] "+r"(b), [n] "+r"(run)
       : [c] "r"(c)
-      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
-        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+      : AP_INT4_CLOBBERS);
 }
 // The same run ending a block of a whole tile: its sums (c's plus the run's) to float, times the
 // block's scales (s: 16 floats), stored into the 6 rows of out (o, a row every l bytes; p = o +
@@ -216,17 +220,6 @@ __attribute__((noinline)) void int4_run(const int32_t* a, const uint8_t* b, int6
   AP_INT4_END(add, "224", "7", "32", "32(%[p])") AP_INT4_END(add, "256", "8", "0", "(%[p],%[l])")    \
   AP_INT4_END(add, "288", "9", "32", "32(%[p],%[l])") AP_INT4_END(add, "320", "10", "0", "(%[p],%[l],2)") \
   AP_INT4_END(add, "352", "11", "32", "32(%[p],%[l],2)")
-#define AP_INT4_LOOP                                                                                            \
-  "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\tvpxor %%xmm2, %%xmm2, %%xmm2\n\t"             \
-  "vpxor %%xmm3, %%xmm3, %%xmm3\n\tvpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"             \
-  "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\tvpxor %%xmm8, %%xmm8, %%xmm8\n\t"             \
-  "vpxor %%xmm9, %%xmm9, %%xmm9\n\tvpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"        \
-  "1:\n\t"                                                                                                     \
-  "vmovdqu (%[b]), %%ymm12\n\tvmovdqu 32(%[b]), %%ymm13\n\t"                                                    \
-  AP_INT4_ROW("0", "0", "1") AP_INT4_ROW("4", "2", "3") AP_INT4_ROW("8", "4", "5")                              \
-  AP_INT4_ROW("12", "6", "7") AP_INT4_ROW("16", "8", "9") AP_INT4_ROW("20", "10", "11")                         \
-  "add $24, %[a]\n\tadd $64, %[b]\n\tdec %[n]\n\tjnz 1b\n\t"                                                  \
-  "vpcmpeqw %%ymm15, %%ymm15, %%ymm15\n\tvpsrlw $15, %%ymm15, %%ymm15\n\t"
 __attribute__((noinline)) void int4_run_end(const int32_t* a, const uint8_t* b, int64_t run, const __m256i* c,
                                             const float* s, bool first, float* o, int64_t ldo) {
   const int64_t l = ldo * static_cast<int64_t>(sizeof(float));
@@ -235,14 +228,12 @@ __attribute__((noinline)) void int4_run_end(const int32_t* a, const uint8_t* b, 
     asm volatile(AP_INT4_LOOP AP_INT4_ENDS(AP_INT4_STORE)
                  : [a] "+r"(a), [b] "+r"(b), [n] "+r"(run)
                  : [c] "r"(c), [s] "r"(s), [o] "r"(o), [p] "r"(p), [l] "r"(l)
-                 : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-                   "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+                 : AP_INT4_CLOBBERS);
   } else {
     asm volatile(AP_INT4_LOOP AP_INT4_ENDS(AP_INT4_ADD)
                  : [a] "+r"(a), [b] "+r"(b), [n] "+r"(run)
                  : [c] "r"(c), [s] "r"(s), [o] "r"(o), [p] "r"(p), [l] "r"(l)
-                 : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-                   "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+                 : AP_INT4_CLOBBERS);
   }
 }
 #undef AP_INT4_ROW
@@ -252,6 +243,7 @@ __attribute__((noinline)) void int4_run_end(const int32_t* a, const uint8_t* b, 
 #undef AP_INT4_ADD
 #undef AP_INT4_ENDS
 #undef AP_INT4_LOOP
+#undef AP_INT4_CLOBBERS
 
 struct Avx2Int4Quads : QuadLayout<kInt4Strip> {
   static constexpr int64_t MR = kInt4Rows, NR = kInt4Strip;
