@@ -249,13 +249,19 @@ struct Avx2Int4Quads : QuadLayout<kInt4Strip> {
   static constexpr int64_t MR = kInt4Rows, NR = kInt4Strip;
   static constexpr int64_t kDepthRows = 2 * kGemmDepth, kPanelBytes = kGemmPanelBytes;
 
-  static inline void micro(const int32_t* a, const uint8_t* b, int64_t groups, const int32_t* init, int64_t ldi,
-                           const int32_t* start, int32_t* dst, int64_t ldd) {
-    alignas(32) __m256i c[MR * 2];
+  // The tile's sums before its first run: from `init` (ld ldi) or, where init is null, each row r
+  // from start[r].
+  static inline void first_sums(const int32_t* init, int64_t ldi, const int32_t* start, __m256i* c) {
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 2; ++j)
         c[2 * r + j] = init != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init + r * ldi + 8 * j))
                                        : _mm256_set1_epi32(start[r]);
+  }
+
+  static inline void micro(const int32_t* a, const uint8_t* b, int64_t groups, const int32_t* init, int64_t ldi,
+                           const int32_t* start, int32_t* dst, int64_t ldd) {
+    alignas(32) __m256i c[MR * 2];
+    first_sums(init, ldi, start, c);
     for (int64_t p = 0; p < groups; p += kRun) {
       const int64_t run = std::min(kRun, groups - p);
       int4_run(a, b, run, c);
@@ -277,10 +283,7 @@ struct Avx2Int4Quads : QuadLayout<kInt4Strip> {
   static inline void block_end(const int32_t* a, const uint8_t* b, int64_t groups, const int32_t* init, int64_t ldi,
                                const int32_t* start, const float* scale, bool first, float* out, int64_t ldo) {
     alignas(32) __m256i c[MR * 2];
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < 2; ++j)
-        c[2 * r + j] = init != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init + r * ldi + 8 * j))
-                                       : _mm256_set1_epi32(start[r]);
+    first_sums(init, ldi, start, c);
     for (; groups > kRun; groups -= kRun) {
       int4_run(a, b, kRun, c);
       a += kRun * MR;

@@ -22,15 +22,16 @@
 //     latency;
 //   - the micro-kernel (Tile::micro) holds an MR x NR tile of int32 sums in registers: per group
 //     it loads a strip's NR columns, broadcasts MR x words and runs one multiply-add per row and
-//     vector;
-//   - VNNI's offset adds Tile::kOffset8 (128) or kOffset4 (8) times the sum of x over the rows
+//     vector (AVX2's int4 holds int16 sums, widened into the int32 ones every 8 quads);
+//   - the quads' offset (VNNI, AVX2's int4) adds Tile::kOffset8 (128) or kOffset4 (8) times the sum of x over the rows
 //     summed: each row's sums start at minus that instead of 0 (int32 arithmetic wraps, so the
 //     result is exact whenever the true sum fits in int32, as on every path);
 //   - int8's later K chunks add to the output; int4 ends each block in the portable path's float
 //     operations in its order (out = term for the first block, out + term after,
-//     Tile::scale_tile: bit-identical), a block longer than a chunk keeping its int32 sums in a
-//     scratch between chunks. int4 blocks must be a multiple of KG K rows (a group never
-//     straddles two), or all of K; the FFI sends others to the streaming kernels.
+//     Tile::scale_tile, or Tile::block_end for a whole tile where Tile::kFusedEnd: bit-identical),
+//     a block longer than a chunk keeping its int32 sums in a scratch between chunks. int4 blocks
+//     must be a multiple of KG K rows (a group never straddles two), or all of K; the FFI sends
+//     others to the streaming kernels.
 #pragma once
 
 #include <algorithm>
