@@ -230,7 +230,7 @@ def gemm_min_rows(kind: str = "int8") -> int | None:
     """The fewest rows of x (the batch M) for which the ``kind`` (``"int8"`` or ``"int4"``) product
     runs the register-blocked GEMM of the current path (:func:`path`); below it, the
     streaming kernels. None: never (the portable path has no GEMM). Measured defaults: AVX2 int8
-    16 rows, int4 32; AVX-VNNI int8 8 rows, int4 16; AVX512-VNNI 16 rows, int8 and int4."""
+    16 rows, int4 24; AVX-VNNI int8 8 rows, int4 16; AVX512-VNNI 16 rows, int8 and int4."""
     if kind not in ("int8", "int4"):
         raise ValueError(f"Invalid kind. Expected one of ('int8', 'int4'). Received: {kind!r}")
     rows = int(_lib().autopolicy_cpu_gemm_min_rows(int(kind == "int4")))

@@ -13,17 +13,18 @@ constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
 
 // GEMM thresholds (the fewest rows of x a GEMM takes; below, the streaming kernels), measured:
 // AVX2 on Zen 3 (reports/cpu-kernels-amd-epyc-avx2-2c.md): int8 from 16 rows (the stream wins
-// below 12-16 rows at 4096 x 4096, up to 16-32 at 576 x 1536); int4 from 32 (its vpmaddubsw GEMM,
-// kernel alone on the SmolLM2 shapes and 4096 x 4096: 0.72-0.87x its stream at 16 rows,
-// 0.91-1.21x at 24-32, 1.02-1.28x at 48, 0.99-1.72x at 256; the vpmaddwd GEMM it replaced never
-// beat the stream). AVX512-VNNI on a 2-core Xeon (2026-11-26, kernel alone): the int8
+// below 12-16 rows at 4096 x 4096, up to 16-32 at 576 x 1536); int4 from 24 (its vpmaddubsw GEMM,
+// kernel alone on the SmolLM2 shapes and 4096 x 4096, with its block end fused: 0.80-1.04x its
+// stream at 16 rows, 1.00-1.11x at 24 per channel and 1.12-1.31x in blocks of 32; before that
+// end, 0.91-1.21x at 24-32, 1.02-1.28x at 48, 0.99-1.72x at 256; the vpmaddwd GEMM it replaced
+// never beat the stream). AVX512-VNNI on a 2-core Xeon (2026-11-26, kernel alone): the int8
 // GEMM was 0.97-1.05x the stream at 8-12 rows, 1.1-1.2x at 16, 1.5x at 32 and 1.6-2.3x at 256
 // on 4096 x 4096 and 576 x 1536; int4's GEMM 1.02-1.29x its stream at 16 rows, 1.3-2.2x at 256
 // (per channel and in blocks of 32), below 16 slower. AVX-VNNI (the same Xeon, that path forced;
 // 4096 x 4096, 576 x 1536 and 1536 x 576): int8's GEMM 1.0-1.4x the AVX2 stream already at 8
 // rows (1.1-1.9x the AVX2 GEMM at 8-256); int4's 0.8-0.9x the AVX2 stream at 8 rows, 1.0-1.2x
 // at 16, 1.2-1.5x from 32.
-constexpr int64_t kInt8GemmRows = 16, kInt4VnniGemmRows = 16, kInt4Avx2GemmRows = 32;
+constexpr int64_t kInt8GemmRows = 16, kInt4VnniGemmRows = 16, kInt4Avx2GemmRows = 24;
 constexpr int64_t kInt8AvxVnniGemmRows = 8, kInt4AvxVnniGemmRows = 16;
 
 const Path kPortable{"portable", int8_portable, int4_portable, nullptr, nullptr, weight_only_portable,
