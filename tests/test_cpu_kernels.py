@@ -404,8 +404,9 @@ def test_the_fused_dense_calls_rescale_each_gemm_task_as_the_unfused_ones(path, 
 @pytest.mark.parametrize("path", [p for p in PATHS if p != "portable"])  # the paths with GEMMs
 def test_a_gemm_calls_rows_are_quantized_and_packed_in_runs_of_whole_panels(path, gemm_everywhere, path_restored):
     """From 65536 values of x, a GEMM call quantizes and packs x a run of whole panels per thread
-    before any tile starts: on one thread, the machine's, and sixteen (67 rows: runs of 8, the
-    last a partial panel; on two threads runs of 36 and 31 rows), still equal bit for bit to the
+    before any tile starts: on one thread, the machine's, and sixteen (67 rows: runs of 8 in
+    4-row panels, of 6 in AVX2 int4's 6-row ones, the last a partial panel; on two threads runs
+    of 36 and 31 rows), still equal bit for bit to the
     XLA path (int8), the unfused call (int4) and one call per product (grouped)."""
     rows, k, n = 67, 1001, 40
     try:

@@ -446,9 +446,8 @@ struct QuantizedRows {
   std::vector<float> scale;
 };
 
-// Rows of x quantized on the threads, each thread a run of rows (each row on its own, so any split
-// gives the same values).
-
+// Rows of x quantized on the threads where x has at least kParallelQuantize values, each thread a
+// run of rows (each row on its own, so any split gives the same values).
 QuantizedRows quantize(ffi::ThreadPool& pool, const ffi::AnyBuffer& x) {
   auto xd = x.dimensions();
   const int64_t m = xd[0], k = xd[1];

@@ -23,9 +23,10 @@
 //   - the micro-kernel (Tile::micro) holds an MR x NR tile of int32 sums in registers: per group
 //     it loads a strip's NR columns, broadcasts MR x words and runs one multiply-add per row and
 //     vector (AVX2's int4 holds int16 sums, widened into the int32 ones every 8 quads);
-//   - the quads' offset (VNNI, AVX2's int4) adds Tile::kOffset8 (128) or kOffset4 (8) times the sum of x over the rows
-//     summed: each row's sums start at minus that instead of 0 (int32 arithmetic wraps, so the
-//     result is exact whenever the true sum fits in int32, as on every path);
+//   - the quads' offset (VNNI, AVX2's int4) adds Tile::kOffset8 (128) or kOffset4 (8) times the
+//     sum of x over the rows summed: each row's sums start at minus that instead of 0 (int32
+//     arithmetic wraps, so the result is exact whenever the true sum fits in int32, as on every
+//     path);
 //   - int8's later K chunks add to the output; int4 ends each block in the portable path's float
 //     operations in its order (out = term for the first block, out + term after,
 //     Tile::scale_tile, or Tile::block_end for a whole tile where Tile::kFusedEnd: bit-identical),
@@ -44,8 +45,8 @@
 namespace autopolicy_cpu {
 namespace {
 
-// x for the vpdpbusd GEMMs (kernels.h's kQuadsZmmX, kQuadsYmmX): the words it takes, and the
-// panels of rows [r0, r1) packed (each row's sums too) from x holding those rows alone.
+// x for the quads GEMMs (kernels.h's kQuadsZmmX, kQuadsYmmX, kQuadsAvx2X): the words it takes,
+// and the panels of rows [r0, r1) packed (each row's sums too) from x holding those rows alone.
 template <int64_t MR>
 int64_t quads_words(int64_t m, int64_t k, int64_t block) {
   const int64_t groups = block >= k ? 1 : (k + block - 1) / block;
