@@ -258,16 +258,23 @@ struct Avx2Int4Quads : QuadLayout<kInt4Strip> {
                                        : _mm256_set1_epi32(start[r]);
   }
 
+  // Runs every whole run of kRun quads but the last run of `groups` (>= 1) into c, a and b moved
+  // past them; the last run's quads (1 to kRun) are left, and returned.
+  static inline int64_t all_but_last_run(const int32_t*& a, const uint8_t*& b, int64_t groups, __m256i* c) {
+    for (; groups > kRun; groups -= kRun) {
+      int4_run(a, b, kRun, c);
+      a += kRun * MR;
+      b += kRun * NR * 4;
+    }
+    return groups;
+  }
+
   static inline void micro(const int32_t* a, const uint8_t* b, int64_t groups, const int32_t* init, int64_t ldi,
                            const int32_t* start, int32_t* dst, int64_t ldd) {
     alignas(32) __m256i c[MR * 2];
     first_sums(init, ldi, start, c);
-    for (int64_t p = 0; p < groups; p += kRun) {
-      const int64_t run = std::min(kRun, groups - p);
-      int4_run(a, b, run, c);
-      a += run * MR;
-      b += run * NR * 4;
-    }
+    groups = all_but_last_run(a, b, groups, c);
+    int4_run(a, b, groups, c);
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 2; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ldd + 8 * j), c[2 * r + j]);
   }
@@ -284,11 +291,7 @@ struct Avx2Int4Quads : QuadLayout<kInt4Strip> {
                                const int32_t* start, const float* scale, bool first, float* out, int64_t ldo) {
     alignas(32) __m256i c[MR * 2];
     first_sums(init, ldi, start, c);
-    for (; groups > kRun; groups -= kRun) {
-      int4_run(a, b, kRun, c);
-      a += kRun * MR;
-      b += kRun * NR * 4;
-    }
+    groups = all_but_last_run(a, b, groups, c);
     int4_run_end(a, b, groups, c, scale, first, out, ldo);
   }
 };
