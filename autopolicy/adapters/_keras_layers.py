@@ -240,9 +240,15 @@ def attention_projections(model: Any) -> set[int]:
     return out
 
 
-def state_of(layer: Any) -> tuple[list, list]:
-    """The values of a layer's (or model's) trainable and non-trainable variables."""
-    return ([v.value for v in layer.trainable_variables], [v.value for v in layer.non_trainable_variables])
+def state_of(layer: Any, copy: bool = False) -> tuple[list, list]:
+    """The values of a layer's (or model's) trainable and non-trainable variables.
+
+    With ``copy``, copies of them: a program that outlives a call of the user's ``eval_fn`` must
+    not hold the variables' own buffers, which Keras's ``predict``, ``evaluate`` and ``fit``
+    donate to their jitted steps (the program would then run on deleted arrays).
+    """
+    read = (lambda v: jnp.array(v.value, copy=True)) if copy else (lambda v: v.value)
+    return ([read(v) for v in layer.trainable_variables], [read(v) for v in layer.non_trainable_variables])
 
 
 def stateless_fn(layer: Any):

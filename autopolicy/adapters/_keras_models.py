@@ -117,6 +117,18 @@ def _build(copy: Any, model: Any, sample_args: tuple | None) -> None:
     copy.build_from_config(build_config)
 
 
+def built_for(model: Any) -> str | None:
+    """What ``model`` takes, for an error message: ``"which was built for inputs (None, 12) float32"`` from a
+    Functional or Sequential model's inputs, a subclassed model's build input shape, or None."""
+    inputs = getattr(model, "_inputs_struct", None) if _is_graph_model(model) else None
+    if inputs is not None:
+        described = jax.tree_util.tree_map(lambda t: f"{tuple(t.shape)} {t.dtype}", inputs)
+        return f"which was built for inputs {described}".replace("'", "")
+    config = model.get_build_config() or {}
+    shape = config.get("input_shape")
+    return None if shape is None else f"which was built for input shape {tuple(shape) if isinstance(shape, list) else shape}"
+
+
 def copy_model(model: Any, sample_args: tuple | None = None) -> Any:
     """A copy of a built model with the same layers, names, paths, policies and weights, and
     variables of its own (the original is never touched).

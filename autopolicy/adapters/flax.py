@@ -237,6 +237,25 @@ def _call_module(state: Any, graphdef: Any, args: tuple, kwargs: dict) -> Any:
     return nnx.merge(graphdef, state)(*args, **kwargs)
 
 
+def detached(model: nnx.Module) -> nnx.Module:
+    """A clone of ``model`` whose arrays are copies (``nnx.clone`` shares them): an ``eval_fn``
+    that donates a model's state (``nnx.jit(..., donate_argnums=0)``) then deletes only its own
+    model's arrays, never the user's, the adapter's float model or a timed program's."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree_util.tree_map(lambda a: a.copy() if hasattr(a, "copy") else a, state))
+
+
+def _feature_sizes(model: nnx.Module, most: int = 4) -> str | None:
+    """What the model's layers take, for an error message: ``"whose layers take b_first: 16
+    features, ..."`` (None when none says)."""
+    sizes = [f"{path}: {module.in_features} features" for path, module in tunable_modules(model).items()
+             if isinstance(getattr(module, "in_features", None), int)]
+    if not sizes:
+        return None
+    more = f", ... ({len(sizes) - most} more)" if len(sizes) > most else ""
+    return "whose layers take " + ", ".join(sizes[:most]) + more
+
+
 def _nbytes(state: Any) -> int:
     total = 0
     for leaf in jax.tree_util.tree_leaves(state):
@@ -256,13 +275,13 @@ class FlaxAdapter:
 
     def __init__(self, model: nnx.Module, sample_args: tuple, calibration: list):
         _check_model(model)
-        self.model = nnx.clone(model)
+        self.model = detached(model)
         self.sample_args = tuple(sample_args)
         self.calibration = list(calibration)
         try:
             self.calls = record_calls(self.model, *self.sample_args)
         except Exception as e:  # pylint: disable=broad-except
-            raise ValueError(f"The NNX model failed on sample_input: {type(e).__name__}: {e}") from e
+            raise _checks.sample_refused(e, self.sample_args, _feature_sizes(self.model)) from e
         if not self.calls:
             raise ValueError(f"The NNX model has no tunable layer called on sample_input. Tunable classes: "
                              f"{sorted(c.__name__ for c in MODES)}")
@@ -313,10 +332,10 @@ class FlaxAdapter:
         return policies.DTypePolicyMap(FLOAT32, entries)
 
     def with_policies(self, policy_map: policies.DTypePolicyMap) -> nnx.Module:
-        return apply_policy_map(self.model, dict(policy_map.items()), *self.sample_args)
+        return detached(apply_policy_map(self.model, dict(policy_map.items()), *self.sample_args))
 
     def model_program(self, model: nnx.Module) -> Program:
-        graphdef, state = nnx.split(model)
+        graphdef, state = nnx.split(detached(model))  # the timer keeps it across eval_fn's calls
         return Program(lambda st, *a: nnx.merge(graphdef, st)(*a), self.sample_args, state)
 
     def weights_digest(self) -> str:

@@ -118,7 +118,7 @@ class KerasAdapter:
             self.calls, self.amax = models.record_calls(self.model, [self.sample_args] + [
                 b for b in self.calibration if b is not self.sample_args])
         except Exception as e:  # pylint: disable=broad-except
-            raise ValueError(f"The model failed on sample_input: {type(e).__name__}: {e}") from e
+            raise _checks.sample_refused(e, self.sample_args, models.built_for(model)) from e
         projections = attention_projections(self.model)
         self._refused = {} if float16_attention_compiles() else {i: ("float16",) for i in projections}
         self._layers = tuple(self._describe(call) for call in self.calls.values() if is_tunable(call.layer))
@@ -202,7 +202,9 @@ class KerasAdapter:
         return model
 
     def model_program(self, model: Any) -> Program:
-        return Program(_model_fn(model), self.sample_args, state_of(model))
+        # Copies: the timer keeps the program across later eval_fn calls, and a model.predict
+        # there donates the model's variable buffers to Keras's jitted step.
+        return Program(_model_fn(model), self.sample_args, state_of(model, copy=True))
 
     def weights_digest(self) -> str:
         return digest_arrays(values(self.model))

@@ -71,6 +71,30 @@ def record_calls(model: Module, *args: Any, **kwargs: Any) -> "OrderedDict[str, 
     return calls
 
 
+def built_for(model: Module) -> str | None:
+    """The inputs ``model`` was built on, any batch size: ``"which was built for inputs (N, 12)
+    float32"`` (None when it does not record them)."""
+    spec = model.__dict__.get("_build_spec")
+    if not spec:
+        return None
+
+    def one(x: Any) -> Any:
+        if isinstance(x, dict) and "shape" in x:
+            dims = ["N", *map(str, x["shape"][1:])] if x["shape"] else []
+            return f"({', '.join(dims)}{',' if len(dims) == 1 else ''}) {x['dtype']}"
+        if isinstance(x, dict) and "value" in x:
+            return repr(x["value"])
+        if isinstance(x, list):
+            return "[" + ", ".join(one(v) for v in x) + "]"
+        if isinstance(x, dict):
+            return "{" + ", ".join(f"{k!r}: {one(v)}" for k, v in x.items()) + "}"
+        return repr(x)
+
+    decoded = json.loads(spec)
+    parts = [one(a) for a in decoded.get("args", [])] + [f"{k}={one(v)}" for k, v in decoded.get("kwargs", {}).items()]
+    return ("which was built for inputs " + ", ".join(parts)) if parts else None
+
+
 def _config_without_name(layer: Module) -> Any:
     """The layer's configuration without its name and policy: equal layers of different blocks
     (``block_0/query``, ``block_1/query``) share one signature, so they are timed once."""
@@ -119,7 +143,7 @@ class NNAdapter:
         try:
             self.calls = record_calls(self.model, *self.sample_args)
         except Exception as e:  # pylint: disable=broad-except
-            raise ValueError(f"The model failed on sample_input: {type(e).__name__}: {e}") from e
+            raise _checks.sample_refused(e, self.sample_args, built_for(model)) from e
         self._modules = self.model.layers_by_path()
         self._kernels: dict[str, dict[str, str]] = {}
         self._calibration_args: dict[str, list[tuple]] | None = None

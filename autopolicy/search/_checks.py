@@ -24,6 +24,8 @@ __all__ = [
     "check_sample_input",
     "input_problem",
     "check_layer_input",
+    "describe_inputs",
+    "sample_refused",
 ]
 
 #: Timing repetitions per layer: at least 3 (a median and a spread), at most this (hours).
@@ -293,3 +295,39 @@ def check_layer_input(path: str, inputs: Any, policy: Any) -> None:
         raise ValueError(f"Layer {path!r} gets {problem}. Cast that input to float32 in the model (or the sample "
                          f"input, if the layer reads it directly), or leave {policies.get(policy).name!r} out of "
                          "the candidates.")
+
+
+def describe_inputs(args: tuple) -> str:
+    """The shapes and dtypes of positional inputs, as a person reads them.
+
+    >>> describe_inputs((np.zeros((64, 5)),))
+    '(64, 5) float64'
+    >>> describe_inputs((np.zeros((2, 8), np.int32), {"mask": np.ones((2, 8), bool)}))
+    "((2, 8) int32, {'mask': (2, 8) bool})"
+    """
+    def one(x: Any) -> Any:
+        dtype = _dtype_of(x)
+        return type(x).__name__ if dtype is None else _Shape(f"{tuple(np.shape(x))} {dtype.name}")
+
+    described = [jax.tree_util.tree_map(one, a) for a in args]
+    return repr(described[0]) if len(described) == 1 else "(" + ", ".join(map(repr, described)) + ")"
+
+
+class _Shape(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def sample_refused(error: BaseException, args: tuple, expected: str | None) -> ValueError:
+    """The error for a model that fails on ``sample_input``: the shape given, what the model was
+    built for (``expected``, a clause such as ``"which was built for inputs (N, 12) float32"``,
+    when the adapter knows it) and the model's own message.
+
+    >>> str(sample_refused(ValueError("Size of label 'k' ..."), (np.zeros((64, 5)),),
+    ...                    "which was built for inputs (N, 12) float32"))
+    "sample_input of shape (64, 5) float64 does not fit the model, which was built for inputs (N, 12) float32: pass a sample of the model's real input shape (the model raised ValueError: Size of label 'k' ...)"
+    """
+    built = f", {expected}" if expected else ""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return ValueError(f"sample_input of shape {describe_inputs(args)} does not fit the model{built}: pass a sample "
+                      f"of the model's real input shape (the model raised {type(error).__name__}: {message[:300]})")
