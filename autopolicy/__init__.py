@@ -37,6 +37,7 @@ from autopolicy.policies import (
     set_dtype_policy,
 )
 
+from autopolicy._tuned import TunedModelError, load_tuned
 from autopolicy._version import __version__
 
 __all__ = [
@@ -75,6 +76,9 @@ __all__ = [
     "LossScaleOptimizer",
     "all_finite",
     "select_tree",
+    # tuned models
+    "load_tuned",
+    "TunedModelError",
 ]
 
 #: Submodules that import a framework: reachable as attributes of the package, imported (with the

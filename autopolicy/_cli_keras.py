@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["load_callable", "load_sample", "keras_experiment", "apply_map", "save_tuned", "is_keras_model"]
+__all__ = ["load_callable", "load_sample", "keras_experiment", "apply_map", "is_keras_model"]
 
 _SAMPLE_FORMS = "a .npy file, a .npz file (its arrays in order, as a tuple) or module:function"
 
@@ -95,17 +95,6 @@ def keras_experiment(path: str, eval_spec: str | None, sample_spec: str | None, 
         name=pathlib.Path(path).stem, model=apk.load(path), eval_fn=eval_fn, sample_input=load_sample(sample_spec),
         test_fn=load_callable(test_spec, "--test") if test_spec else None,
         metric_name=eval_spec.rpartition(":")[2], description=f"Keras model {path}")
-
-
-def save_tuned(result: Any, out: str) -> str | None:
-    """Writes a Keras result's model as ``out/tuned.keras``; returns its path (None for others)."""
-    if not is_keras_model(result.model):
-        return None
-    import autopolicy.keras as apk  # pylint: disable=import-outside-toplevel
-
-    path = os.path.join(out, "tuned.keras")
-    apk.save(result.model, path, result.policy_map)
-    return path
 
 
 def apply_map(map_file: str, model_file: str, out: str, strict: bool = False, sample_spec: str | None = None) -> str:

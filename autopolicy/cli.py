@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--ray-address", default=None,
                       help="the Ray cluster for --executor ray (default: $RAY_ADDRESS, else a local one)")
     tune.add_argument("--no-report", action="store_true", help="skip writing the report")
+    tune.add_argument("--no-model", action="store_true",
+                      help="do not save the tuned model in RUN_DIR/tuned (autopolicy.load_tuned reads it)")
     tune.add_argument("--no-progress", action="store_true", help="no progress bars")
     tune.add_argument("--no-shared-cache", action="store_true",
                       help="neither reuse nor add to the machine-wide cache ($AUTOPOLICY_CACHE, default "
@@ -188,12 +190,23 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="output directory (default: RUN_DIR)")
 
-    export = add("export", help="export a run's policy map (and the kernels its layers run)")
+    export = add("export", help="export a run's policy map (and the kernels its layers run), or its tuned model")
     export.add_argument("run_dir")
-    export.add_argument("--out", required=True, help="output file")
+    what = export.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", help="the map's output file")
+    what.add_argument("--model", metavar="DIR", help="copy the tuned model to DIR (a new directory), which "
+                      "autopolicy.load_tuned(DIR) reads as it reads RUN_DIR")
     export.add_argument("--format", choices=("json", "table"), default="json",
-                        help="json: Keras DTypePolicyMap envelope, with its kernels in OUT.kernels.json beside it "
-                             "(for model.with_kernels); table: path and policy per line")
+                        help="with --out; json: Keras DTypePolicyMap envelope, with its kernels in OUT.kernels.json "
+                             "beside it (for model.with_kernels); table: path and policy per line")
+
+    generate = add("generate", help="greedily continue a prompt with a language model's tuned model, with tokens/s")
+    generate.add_argument("run_dir", help="the run directory of a language model's tune (autopolicy tune smollm2)")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--tokens", type=int, default=32, help="how many tokens to generate (default 32)")
+    generate.add_argument("--float32", action="store_true", help="also generate with the float32 reference model")
+    generate.add_argument("--cache-length", type=int, default=None,
+                          help="the key/value cache's positions (default: the tune's, 256 for smollm2)")
 
     show = add("show", help="print a policy map file")
     show.add_argument("map_file")
@@ -252,7 +265,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _tune_locked(args: argparse.Namespace, out: str) -> int:
-    from autopolicy import _cli_keras, search  # pylint: disable=import-outside-toplevel
+    from autopolicy import search  # pylint: disable=import-outside-toplevel
     from autopolicy.search import _checks  # pylint: disable=import-outside-toplevel
 
     exp = _tune_experiment(args)
@@ -283,11 +296,10 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
         )
     result.summary["experiment"] = {"name": exp.name, "description": exp.description,
                                     "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:])}
-    result.save(out)
+    tuned = result.save(out, model=not args.no_model, tokenizer=getattr(exp, "tokenizer", None),
+                        source=getattr(exp, "source", None))
     _print_summary(result.summary, out)
-    tuned = _cli_keras.save_tuned(result, out)
-    if tuned:
-        print(f"tuned Keras model: {tuned} (load it with autopolicy.keras.load)")
+    _print_tuned(result.summary, out, tuned)
     if not args.no_report:
         import time  # pylint: disable=import-outside-toplevel
 
@@ -344,6 +356,28 @@ def _print_summary(s: dict, out: str) -> None:
     print(f"run directory: {out}")
 
 
+def _megabytes(nbytes: float) -> str:
+    """``12.3 MB``.
+
+    >>> _megabytes(12_345_678)
+    '12.3 MB'
+    """
+    return f"{nbytes / 1e6:.1f} MB"
+
+
+def _print_tuned(s: dict, out: str, tuned: str | None) -> None:
+    """The tuned model's line: where, its size on disk beside the float32 weights', how to load it."""
+    info = s.get("tuned_model")
+    if tuned is None or not info:
+        print("tuned model: not saved (--no-model, or a model kind autopolicy cannot save); apply "
+              f"{os.path.join(out, 'policy_map.json')} to your model")
+        return
+    float32 = (s.get("memory") or {}).get("float32_nbytes")
+    beside = f"; the float32 weights of its tuned layers: {_megabytes(float32)}" if float32 else ""
+    print(f"tuned model: {tuned} ({info['framework']}, {_megabytes(info['nbytes'])} on disk{beside}); "
+          f"load it with autopolicy.load_tuned({out!r}), or skip saving it with --no-model")
+
+
 def _budget_line(budget: dict, name: str = "metric") -> str:
     """``float32 perplexity: 23.4300 (lower is better); allowed rise 2% (0.4686): at most 23.8986``.
 
@@ -380,9 +414,15 @@ def _map_rows(policy_map: Any) -> list[tuple[str, str]]:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from autopolicy import _atomic, _rundir, policies  # pylint: disable=import-outside-toplevel
+    from autopolicy import _atomic, _rundir, _tuned, policies  # pylint: disable=import-outside-toplevel
     from autopolicy.search import result  # pylint: disable=import-outside-toplevel
 
+    if args.model is not None:
+        if not os.path.isdir(args.run_dir):
+            raise UsageError(f"no run directory at {args.run_dir!r}")
+        nbytes = _tuned.export_tuned(args.run_dir, args.model)
+        print(f"wrote {args.model} ({_megabytes(nbytes)}): load it with autopolicy.load_tuned({args.model!r})")
+        return EXIT_OK
     source = os.path.join(args.run_dir, result.MAP_FILE)
     if not os.path.isfile(source):
         raise UsageError(f"no policy map in {args.run_dir!r} (expected {source!r}); run `autopolicy tune` first")
@@ -456,6 +496,18 @@ def _apply(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from autopolicy import _cli_generate  # pylint: disable=import-outside-toplevel
+
+    if not os.path.isdir(args.run_dir):
+        raise UsageError(f"no run directory at {args.run_dir!r}")
+    try:
+        _cli_generate.generate_lines(args.run_dir, args.prompt, args.tokens, args.float32, args.cache_length)
+    except _cli_generate.GenerateError as e:
+        raise UsageError(str(e)) from None
+    return EXIT_OK
+
+
 def _device(args: argparse.Namespace) -> int:
     del args
     from autopolicy.numerics import _device_report  # pylint: disable=import-outside-toplevel
@@ -465,7 +517,7 @@ def _device(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"tune": _tune, "report": _report, "export": _export, "show": _show, "profile": _profile,
-             "list": _list, "apply": _apply, "device": _device}
+             "list": _list, "apply": _apply, "device": _device, "generate": _generate}
 
 
 def _first_line(text: str) -> str:

@@ -46,6 +46,11 @@ class Experiment:
       loss_inputs: The batches ``loss_fn`` runs on (None: the calibration batches).
       step_carry: For a stateful objective (a decode step): ``step_carry(sample_args, outputs)``
         gives the next step's arguments (``tune``'s ``step_carry``). None: a stateless call.
+      tokenizer: A language model's ``tokenizers.Tokenizer``: saved with the tuned model, so that
+        ``autopolicy generate RUN_DIR`` turns text into tokens and back.
+      source: Where the float model comes from, as JSON (``{"gguf": "/path/model.gguf"}``):
+        recorded with the tuned model, so that ``autopolicy generate --float32`` can load the
+        float reference.
     """
 
     name: str
@@ -64,6 +69,8 @@ class Experiment:
     loss_link: str = "fitted"
     loss_inputs: Sequence[Any] | None = None
     step_carry: Callable[[tuple, Any], tuple] | None = None
+    tokenizer: Any = None
+    source: dict | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -89,6 +96,11 @@ class Experiment:
         links = ("exp", "loss", "fitted")  # autopolicy.search.first_order.LINKS (not imported: no jax here)
         if self.loss_link not in links:
             raise ValueError(f"Experiment.loss_link must be one of {list(links)}. Received: loss_link={self.loss_link!r}")
+        if self.tokenizer is not None and not callable(getattr(self.tokenizer, "to_str", None)):
+            raise TypeError(f"Experiment.tokenizer must be a tokenizers.Tokenizer (it is saved with to_str()). "
+                            f"Received: tokenizer={type(self.tokenizer).__name__}")
+        if self.source is not None and not isinstance(self.source, dict):
+            raise TypeError(f"Experiment.source must be a dict such as {{'gguf': path}}. Received: source={self.source!r}")
         if isinstance(self.candidates, str):
             raise TypeError(f"Experiment.candidates must be a sequence of policy names, not one str. "
                             f"Received: candidates={self.candidates!r}; write ({self.candidates!r},)")

@@ -140,7 +140,8 @@ def build(cache_dir) -> Experiment:
     calibration-split windows, run without a cache (a prefill); the first-order estimate's are
     ESTIMATE_WINDOWS more, so the verification's metric is independent of the estimate."""
     del cache_dir  # the weights come from the installed package: nothing to train or cache
-    model, _, tok = load()
+    path = gguf_path()
+    model, _, tok = load(path)
     calibration = windows(tok, "calibration", None)
     need = WINDOWS + BATCH + ESTIMATE_WINDOWS
     if len(calibration) < need:
@@ -168,4 +169,6 @@ def build(cache_dir) -> Experiment:
         # 273 layers x 4 candidates fit to the same 2032 tokens): a map 4.6% below float32 on the
         # scored windows was 2.8% above it held out (a 2-core Xeon, 2026-11-25).
         loss_inputs=[(estimate[i : i + BATCH],) for i in range(0, ESTIMATE_WINDOWS, BATCH)],
+        tokenizer=tok,
+        source={"gguf": str(path), "name": "smollm2", "cache_length": CACHE},
     )

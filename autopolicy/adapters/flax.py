@@ -341,5 +341,11 @@ class FlaxAdapter:
     def weights_digest(self) -> str:
         return digest_arrays(nnx.state(self.model))
 
+    def float_structure(self) -> tuple[Any, Any]:
+        """The float model's ``(graphdef, abstract state)``: what a saved tuned model is rebuilt
+        from (:func:`autopolicy.load_tuned`)."""
+        graphdef, state = nnx.split(self.model)
+        return graphdef, jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+
 
 register_adapter(nnx.Module, FlaxAdapter, "flax.nnx.Module")

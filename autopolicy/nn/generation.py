@@ -9,14 +9,17 @@ max_length)``, as :class:`~autopolicy.nn.LlamaDecoder`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+import time
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["greedy_generate", "prefill", "decode_step", "decode_steps", "perplexity", "token_nll", "token_windows"]
+__all__ = ["greedy_generate", "timed_generate", "Generation", "check_generation", "prefill", "decode_step", "decode_steps", "perplexity", "token_nll", "token_windows"]
 
 
 @jax.jit
@@ -96,6 +99,28 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What :func:`timed_generate` returns: the generated ids and the seconds each part took.
+
+    Attributes:
+      ids: The generated token ids (the prompt not included).
+      prompt_tokens: The prompt's length (prefilled as a power of two, at least 16).
+      prefill_s: The prefill's seconds (it also gives the first generated token).
+      decode_s: The decode loop's seconds, for the tokens after the first.
+    """
+
+    ids: tuple[int, ...]
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second of the decode loop (the tokens after the first), nan for none."""
+        return (len(self.ids) - 1) / self.decode_s if len(self.ids) > 1 and self.decode_s > 0 else math.nan
+
+
 def greedy_generate(model: Any, prompt: Sequence[int], steps: int, max_length: int = 256,
                     stop: Sequence[int] = ()) -> list[int]:
     """The ids of up to ``steps`` tokens that greedily continue ``prompt`` (token ids).
@@ -117,6 +142,12 @@ def greedy_generate(model: Any, prompt: Sequence[int], steps: int, max_length: i
       ValueError: for an empty prompt, a negative ``steps``, a prompt and steps that do not fit
         in ``max_length``, or ``stop`` holding anything but ints.
     """
+    return list(timed_generate(model, prompt, steps, max_length, stop).ids)
+
+
+def check_generation(prompt: Sequence[int], steps: Any, max_length: int, stop: Sequence[int] = ()) -> list[int]:
+    """The prompt as ints, once ``prompt``, ``steps``, ``max_length`` and ``stop`` are checked
+    (the errors of :func:`greedy_generate`)."""
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise ValueError("greedy_generate needs a prompt of at least one token.")
@@ -130,19 +161,37 @@ def greedy_generate(model: Any, prompt: Sequence[int], steps: int, max_length: i
         )
     if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop):
         raise ValueError(f"stop must be token ids (ints). Received: stop={list(stop)!r}")
+    return prompt
+
+
+def timed_generate(model: Any, prompt: Sequence[int], steps: int, max_length: int = 256,
+                   stop: Sequence[int] = ()) -> Generation:
+    """:func:`greedy_generate`, with the prefill and the decode loop timed apart (each waited
+    for; compilation included: run it once first to time a warm model).
+
+    Raises:
+      ValueError: as :func:`greedy_generate`.
+    """
+    prompt = check_generation(prompt, steps, max_length, stop)
     if steps == 0:
-        return []
+        return Generation((), len(prompt), 0.0, 0.0)
+    padded = _bucket(len(prompt))
     ids = np.zeros((1, padded), np.int32)
     ids[0, : len(prompt)] = prompt
+    start = time.perf_counter()
     logits, cache = prefill(model, model.init_cache(1, max_length), jnp.asarray(ids))
     token = jnp.argmax(logits[:, len(prompt) - 1], axis=-1).astype(jnp.int32)
+    jax.block_until_ready((token, cache))
+    middle = time.perf_counter()
     leaves, treedef = jax.tree_util.tree_flatten(model)
     # The remaining steps - 1 tokens in one compiled loop, sized to a power of two (compiled once
     # per size, not per length asked for).
     out, count, _ = _greedy_loop(treedef, leaves, cache, token, jnp.asarray(len(prompt), jnp.int32),
-                                 jnp.asarray(steps - 1, jnp.int32), jnp.asarray(sorted({int(t) for t in stop}), jnp.int32).reshape(-1),
-                                 _bucket(steps))
-    return [int(token[0])] + np.asarray(out)[0, : int(count)].tolist()
+                                 jnp.asarray(steps - 1, jnp.int32),
+                                 jnp.asarray(sorted({int(t) for t in stop}), jnp.int32).reshape(-1), _bucket(steps))
+    generated = [int(token[0])] + np.asarray(out)[0, : int(count)].tolist()
+    end = time.perf_counter()
+    return Generation(tuple(generated), len(prompt), middle - start, end - middle)
 
 
 def token_windows(ids: Sequence[int], length: int, count: int | None = None) -> np.ndarray:

@@ -83,6 +83,12 @@ class TuneResult:
     calibration: Any = None  # latency_model.Calibration fitted on every end-to-end timing
     noise: dict[str, Any] | None = None
     costs: dict[str, Any] | None = None
+    #: The digest of the float weights the tune started from (``load_tuned(run_dir, model)``
+    #: warns when a model's differ), the sample input, and an NNX model's float structure: what
+    #: :meth:`save` needs to write the tuned model.
+    weights_digest: str | None = None
+    sample_args: tuple | None = dataclasses.field(default=None, repr=False)
+    structure: Any = dataclasses.field(default=None, repr=False)
 
     @functools.cached_property
     def profile(self) -> Any:
@@ -116,12 +122,36 @@ class TuneResult:
         return {layer: kernel for layer, kernel in zip(rows["layer"], rows["kernel"])
                 if isinstance(kernel, str) and kernel}
 
-    def save(self, run_dir: str | os.PathLike) -> None:
+    def save(self, run_dir: str | os.PathLike, model: bool = True, tokenizer: Any = None,
+             source: dict | None = None) -> str | None:
         """Writes ``profile.csv``, ``frontier.csv``, ``policy_map.json`` (Keras envelope), its
         sidecar ``policy_map.kernels.json`` (:attr:`kernels`) and ``summary.json`` into
-        ``run_dir``, each atomically. With several JAX processes only process 0 writes (every
-        process holds the same result; the others write nothing)."""
+        ``run_dir``, each atomically, and (``model``) the tuned model into ``run_dir/tuned``,
+        which :func:`autopolicy.load_tuned` reads back (``summary["tuned_model"]`` says its
+        framework and bytes). With several JAX processes only process 0 writes (every process
+        holds the same result; the others write nothing).
+
+        A language model's ``tokenizer`` (a ``tokenizers.Tokenizer``) and ``source`` (where its
+        float weights come from, ``{"gguf": path}``) are saved with it, for ``autopolicy
+        generate``.
+
+        Returns:
+          The tuned model's directory, or None when none was written (``model=False``, another
+          process, or a model of a kind autopolicy cannot save: its map is still written).
+        """
+        tuned = None
+        if model and _multihost.is_writer():
+            from autopolicy import _tuned  # pylint: disable=import-outside-toplevel
+
+            tuned = _tuned.save_tuned(self.model, run_dir, self.policy_map, kernels=self.kernels,
+                                      device=self.summary.get("device"), weights_digest=self.weights_digest,
+                                      sample_args=self.sample_args, structure=self.structure,
+                                      tokenizer=tokenizer, source=source)
+            if tuned is not None:
+                self.summary["tuned_model"] = {"path": _tuned.TUNED_DIR, "framework": _tuned.framework_of(self.model),
+                                               "nbytes": _tuned.directory_bytes(tuned)}
         write_run(run_dir, self.policy_map, self.profile, self.frontier, self.summary, self.kernels)
+        return tuned
 
 
 def write_run(run_dir: str | os.PathLike, policy_map: policies.DTypePolicyMap, profile: Any, frontier: Any,

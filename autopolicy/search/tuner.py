@@ -270,11 +270,12 @@ def tune(
                 except Exception as e:  # pylint: disable=broad-except
                     raise ValueError(f"step_carry(sample_args, outputs) failed: {type(e).__name__}: {e}") from e
             baseline = _baseline_metric(eval_fn, reference_model)
+            weights_digest = made.weights_digest()
             allowed = _checks.allowed_worsening(baseline, max_drop, relative, higher_is_better)
             ctx = Context(
                 adapter=made, scorer=scorer, cache=cache,
                 fingerprint=fingerprint,
-                digest=key(made.weights_digest(), digest_arrays(calibration),
+                digest=key(weights_digest, digest_arrays(calibration),
                            getattr(eval_fn, "__qualname__", repr(eval_fn))),
                 budget=Budget(baseline, allowed, memory_budget, higher_is_better, float(max_drop), bool(relative)),
                 candidates=tuple(candidate_policies), sample_args=args,
@@ -362,4 +363,5 @@ def tune(
                 cache_stats={"hits": cache.hits, "misses": cache.misses, "shared_hits": cache.shared_hits},
                 wall_time_s=time.perf_counter() - start,
                 test=test, decisions=tuple(decisions), calibration=final,
-                noise=noise.assess(latency, e2e), costs=costs.as_dict())
+                noise=noise.assess(latency, e2e), costs=costs.as_dict(), weights_digest=weights_digest,
+                sample_args=args, structure=made.float_structure() if hasattr(made, "float_structure") else None)
