@@ -1,12 +1,12 @@
-"""Times a tune's chosen map against float32 end to end, in a process of its own: the check of a
-tune's own speed-up figure, with nothing shared with the tune but its run directory.
+"""Times a tune's chosen model against float32 end to end, in a process of its own: the check of
+a tune's own speed-up figure, with nothing shared with the tune but its run directory.
 
-The experiment named in the run's ``summary.json`` is built afresh, its model retyped to the
-chosen policies (``summary.json``'s ``chosen.policies``, completed as the tune completes them) and
-set to the kernels the tune chose (``policy_map.kernels.json``), and both models are timed in
-paired, interleaved rounds by the package's timer (jit, warm-up, dependent calls, a fresh random
-order each round). Prints the speed-up over float32 (the median of per-round ratios) with its 95%
-bootstrap interval, and the device.
+The tuned model is the run's own (``autopolicy.load_tuned``: its policies, kernels and calibrated
+weights as the tune chose them); the float32 model and the sample input come from the experiment
+named in the run's ``summary.json``, built afresh. Both are timed in paired, interleaved rounds by
+the package's timer (jit, warm-up, dependent calls, a fresh random order each round). Prints the
+speed-up over float32 (the median of per-round ratios) with its 95% bootstrap interval, and the
+device.
 
 Run: ``python experiments/time_tuned.py runs/digits_mlp [--rounds 60]``
 """
@@ -19,6 +19,7 @@ import pathlib
 import statistics
 import sys
 
+import autopolicy
 from autopolicy import experiment
 from autopolicy.search import confidence, hardware, timing
 from autopolicy.search.adapter import get_adapter
@@ -38,15 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = json.loads(summary_file.read_text())
     name = summary["experiment"]["name"]
     chosen = dict(summary["chosen"]["policies"])
-    sidecar = args.run / "policy_map.kernels.json"
-    kernels = json.loads(sidecar.read_text())["kernels"] if sidecar.is_file() else {}
+    tuned = autopolicy.load_tuned(args.run)
+    kernels = autopolicy._tuned.read_manifest(args.run)["kernels"]  # pylint: disable=protected-access
 
     exp = experiment.build(experiment.load(name), args.cache_dir)
     sample = exp.sample_input if isinstance(exp.sample_input, tuple) else (exp.sample_input,)
-    adapter = get_adapter(exp.model, sample, list(exp.calibration_inputs or [sample]))
-    tuned = adapter.with_policies(adapter.complete_map(chosen))
-    if kernels:
-        tuned = tuned.with_kernels(kernels)
+    adapter = get_adapter(exp.model, sample, [])  # only to time a model of its kind on the sample
     candidates = {}
     for label, model in (("float32", adapter.model), ("tuned", tuned)):
         program = adapter.model_program(model)
