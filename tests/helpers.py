@@ -100,10 +100,32 @@ def ops_outside_loops(hlo_text, pattern=r"\b(dot|convolution)\("):
     return [line.strip() for name in outside for line in computations.get(name, []) if re.search(pattern, line)]
 
 
-def load_experiment(name):
-    """The module of ``experiments/<name>.py`` (the experiments are scripts, not a package)."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+def load_benchmark(name):
+    """The module of ``benchmarks/<name>.py`` (the benchmarks are scripts, not a package)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+README_PATH = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_block(audience):
+    """The code block after ``<!-- path: AUDIENCE -->`` in the README: ``(language, code)``."""
+    text = README_PATH.read_text(encoding="utf-8")
+    marker = f"<!-- path: {audience} -->\n```"
+    if text.count(marker) != 1:
+        raise AssertionError(f"README.md must have exactly one block after <!-- path: {audience} -->")
+    language, _, rest = text.split(marker, 1)[1].partition("\n")
+    return language, rest.split("```", 1)[0]
+
+
+def run_readme_python(audience, namespace):
+    """Executes the README's python block for ``audience`` in ``namespace`` (what the README
+    assumes the reader has: their model, their data); returns the namespace."""
+    language, code = readme_block(audience)
+    assert language == "python", language
+    exec(compile(code, f"README.md ({audience})", "exec"), namespace)  # noqa: S102
+    return namespace

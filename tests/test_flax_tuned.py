@@ -86,3 +86,15 @@ def test_a_tuned_nnx_model_loads_in_a_fresh_process_and_onto_the_users_model(tmp
 
     with pytest.raises(ap.TunedModelError, match="model does not match the run's architecture"):
         ap.load_tuned(tmp_path / "run", Wider(nnx.Rngs(0)))
+
+
+@pytest.mark.slow
+def test_the_readme_flax_path_runs(tmp_path, monkeypatch):
+    from helpers import run_readme_python  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.chdir(tmp_path)
+    net = Net(nnx.Rngs(0))
+    namespace = run_readme_python("flax", {"nnx_model": net, "x": X, "reference": net(X)})
+    expected = np.asarray(namespace["result"].model(X))
+    np.testing.assert_array_equal(np.asarray(namespace["tuned"](X)), expected)
+    np.testing.assert_array_equal(np.asarray(namespace["mine"](X)), expected)

@@ -1,7 +1,6 @@
 """Tuning a user's Keras 3 model (JAX backend): the adapter, apply_policy_map, save and reload."""
 
 import os
-import re
 import subprocess
 import sys
 import warnings
@@ -427,18 +426,3 @@ def test_load_reads_a_plain_keras_file(tmp_path):
     model = functional_model()
     model.save(tmp_path / "plain.keras")
     np.testing.assert_array_equal(np.asarray(apk.load(tmp_path / "plain.keras")(IDS)), np.asarray(model(IDS)))
-
-
-@pytest.mark.slow
-def test_the_readme_keras_lines_run(fake_clock, tmp_path, monkeypatch):
-    with open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    section = readme.split("## Tune a Keras model", 1)[1]
-    block = re.search(r"```py\n(.*?)```", section, flags=re.S).group(1)
-    monkeypatch.chdir(tmp_path)
-    model = functional_model()
-    namespace = {"model": model, "eval_fn": fidelity(np.asarray(model(HELD_OUT))), "x": IDS}
-    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
-    assert (tmp_path / "tuned.keras").is_file()
-    np.testing.assert_array_equal(np.asarray(apk.load(tmp_path / "tuned.keras")(IDS)),
-                                  np.asarray(namespace["result"].model(IDS)))

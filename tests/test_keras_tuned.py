@@ -174,3 +174,15 @@ def test_load_tuned_refuses_a_keras_model_of_another_architecture(tmp_path):
                               layers.GlobalAveragePooling1D(), layers.Dense(5, name="head")], name="seq")
     with pytest.raises(ap.TunedModelError, match=r"it lacks the layers \['seq/conv', 'seq/hidden'\]"):
         ap.load_tuned(tmp_path, other)
+
+
+@pytest.mark.slow
+def test_the_readme_keras_path_runs(tmp_path, monkeypatch):
+    from helpers import run_readme_python  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.chdir(tmp_path)
+    model = functional_model()
+    y_val = np.asarray(model(HELD_OUT)).argmax(-1)  # the float model's own answers: accuracy 1.0
+    namespace = run_readme_python("keras", {"keras_model": model, "x_val": HELD_OUT, "y_val": y_val})
+    assert (tmp_path / "runs" / "keras" / "tuned" / "model.keras").is_file()
+    np.testing.assert_array_equal(namespace["predictions"], namespace["result"].model.predict(HELD_OUT, verbose=0))

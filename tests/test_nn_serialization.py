@@ -103,3 +103,24 @@ def test_weights_that_do_not_match_raise(tmp_path):
     (tmp_path / "a" / "weights.npz").write_bytes((tmp_path / "b" / "weights.npz").read_bytes())
     with pytest.raises(ValueError, match="kernel"):
         nn.load(tmp_path / "a")
+
+
+def test_layers_made_while_building_keep_their_saved_policies(tmp_path):
+    """A LlamaDecoder's output and down projections are made by build (their sizes come from the
+    call): a map applied before building missed them, and a saved GPTQ one did not load."""
+    import dataclasses
+
+    from autopolicy.nn.weight_calibration import calibrate_weights
+
+    config = nn.LlamaConfig(vocab_size=40, dim=24, blocks=2, heads=6, kv_heads=2, mlp_dim=32, rope_base=100.0)
+    model = nn.LlamaDecoder(dataclasses.asdict(config), name="tiny").build(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 16)), jnp.int32)
+    policy_map = ap.DTypePolicyMap("float32", {"tiny/block_0/attention/attention_output": "gptq/8/-1_from_float32",
+                                               "tiny/block_1/mlp/down": "int8_from_float32"})
+    tuned = calibrate_weights(model.with_dtype_policy(policy_map), [(ids,)])
+    nn.save(tuned, tmp_path)
+    loaded = nn.load(tmp_path)
+    np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(tuned(ids)))
+    layers = loaded.layers_by_path()
+    assert layers["tiny/block_0/attention/attention_output"].dtype_policy.name == "gptq/8/-1_from_float32"
+    assert layers["tiny/block_1/mlp/down"].kernel.dtype == jnp.int8

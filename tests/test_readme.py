@@ -1,11 +1,18 @@
-"""The README's tour runs as written, and its two set-up commands are the ones CI uses."""
+"""The README: its two set-up commands are the ones CI uses, it stays a page for users (short, no
+run logs), and each audience's path in it runs as written (the Keras, Flax and language-model
+paths in their tiers: tests/test_keras_tuned.py, tests/test_flax_tuned.py, tests/test_llm_tuned.py)."""
 
 import pathlib
 import re
+import shlex
 import subprocess
+import sys
 
+import numpy as np
 import pytest
 
+from autopolicy import cli
+from helpers import readme_block, run_readme_python
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -30,13 +37,52 @@ def test_readme_has_exactly_the_two_setup_commands():
     assert "<!-- test-command -->" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_readme_is_a_page_for_users():
+    lines = README.splitlines()
+    assert len(lines) <= 250, len(lines)
+    assert not re.search(r"\d\d:\d\d UTC|\bUTC\b", README)  # no dated run logs
+    assert "/work/" not in README and "/tmp/" not in README  # no machine's paths
+    for audience in ("nn", "keras", "flax", "llm", "cli"):
+        readme_block(audience)  # each audience has its path, once
+
+
+def _commands(audience):
+    """The autopolicy commands of a bash block, as argument lists (comments dropped)."""
+    _, code = readme_block(audience)
+    out = []
+    for line in code.splitlines():
+        for part in line.split("&&"):
+            words = shlex.split(part, comments=True)
+            if words and words[0].endswith("autopolicy"):
+                out.append(words[1:])
+    return out
+
+
+@pytest.mark.parametrize("audience", ["llm", "cli"])
+def test_every_command_line_in_the_readme_parses(audience):
+    commands = _commands(audience)
+    assert commands
+    parser = cli.build_parser()
+    for argv in commands:
+        parser.parse_args(argv)  # exits 2 on an unknown command or flag
+
+
 @pytest.mark.slow
-def test_the_tour_runs(tmp_path, monkeypatch):
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert len(blocks) >= 4
+def test_the_nn_path_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
-    assert (tmp_path / "runs" / "tour" / "policy_map.json").is_file()
+    namespace = run_readme_python("nn", {})
+    assert (tmp_path / "runs" / "mlp" / "tuned" / "tuned.json").is_file()
+    data = namespace["data"]
+    np.testing.assert_array_equal(namespace["predictions"], np.asarray(namespace["result"].model(data.x_test)).argmax(-1))
     assert namespace["result"].summary["chosen"]["meets_budget"] is True
+
+
+@pytest.mark.slow
+def test_the_command_line_path_runs(tmp_path):
+    for argv in _commands("cli"):
+        out = subprocess.run([sys.executable, "-m", "autopolicy", *argv, *(["--no-progress"] if argv[0] == "tune" else [])],
+                             cwd=tmp_path, capture_output=True, text=True, check=False)
+        assert out.returncode == 0, (argv, out.stderr)
+    assert (tmp_path / "runs" / "digits_mlp" / "report.html").is_file()
+    assert (tmp_path / "shipped" / "digits_mlp" / "tuned" / "tuned.json").is_file()
+    assert (tmp_path / "map.json").is_file() and (tmp_path / "map.kernels.json").is_file()

@@ -198,9 +198,14 @@ def _rebuild(manifest: dict[str, Any], classes: dict[str, type], directory: str)
     if not isinstance(model, Module):
         raise _Damaged(f"its config rebuilds a {type(model).__name__}, not a module")
     try:
-        model = model.with_dtype_policy(policies.deserialize(manifest["policy_map"]))
+        policy_map = policies.deserialize(manifest["policy_map"])
+        model = model.with_dtype_policy(policy_map)
         inputs = manifest["build_inputs"]
         model = model.build(jax.random.key(0), *_zeros(inputs["args"]), **_zeros(inputs["kwargs"]))
+        # Layers made while building (a LlamaAttention's output projection, a SwiGLU's down
+        # projection: their sizes come from the call) did not exist for the map above.
+        if any(m.dtype_policy != policy_map[p] for p, m in model.modules().items() if policy_map.matching_keys(p)):
+            model = model.with_dtype_policy(policy_map)
         model = model.with_kernels(_runnable_kernels(model, dict(manifest.get("kernels") or {})))
         # Building gives GPTQ/AWQ layers their float kernels, awaiting calibration; the saved ones
         # were calibrated: give them the calibrated form, which the saved arrays then fill.
