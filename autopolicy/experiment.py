@@ -123,11 +123,12 @@ def experiment_dirs() -> list[pathlib.Path]:
 
 
 def available() -> dict[str, pathlib.Path]:
-    """Built-in experiments by name (files defining ``build``; benchmarks are not experiments)."""
+    """Built-in experiments by name: the files defining ``build`` (a leading underscore marks a
+    private helper; the benchmarks live in the repository's ``benchmarks/``, not here)."""
     found: dict[str, pathlib.Path] = {}
     for directory in experiment_dirs():
         for path in sorted(directory.glob("*.py")):
-            if path.stem.startswith(("_", "bench_")) or path.stem in found:
+            if path.stem.startswith("_") or path.stem in found:
                 continue
             if "def build(" in path.read_text(encoding="utf-8"):
                 found[path.stem] = path

@@ -13,7 +13,7 @@ The tunable layers are found by the Flax adapter in the order they run, under Qw
 (``embeddings/word_embeddings``, ..., ``blocks/0/attention/query``, ...); :func:`nn_path` names
 the corresponding layer of the ``autopolicy.nn`` model (``minilm/block_0/attention/query``),
 which has one more tunable layer per block (its ``DotProductAttention``, plain math here).
-``experiments/bench_minilm_nnx.py`` checks parity with the ``autopolicy.nn`` model and tunes both.
+``benchmarks/bench_minilm_nnx.py`` checks parity with the ``autopolicy.nn`` model and tunes both.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ What ``autopolicy.search.tune`` lacks for this task (issue 24), worked around he
   batch of the scored windows) with ``loss_link="exp"``, so ``profile_accuracy="first_order"`` (and
   "auto") estimate every cost from one backward pass per calibration batch instead
   (``autopolicy.search.first_order``; its rank correlation with measured one-layer perplexity
-  changes is in ``reports/smollm2/first_order.md``, from ``experiments/bench_first_order.py``).
+  changes is in ``reports/first-order-smollm2-amd-epyc-avx2-2c.md``, from
+  ``benchmarks/bench_first_order.py``).
 - Weight-only candidates: GPTQ policies are calibrated per layer on its float inputs (the nn
   adapter), and run autopolicy's weight-only CPU kernel where the tuner times it faster; the
   attention projections (EinsumDense) take them too, calibrated and stored as the (K, N) matrix
@@ -62,7 +63,7 @@ WINDOWS = 16      # held-out windows scored (2032 predicted tokens)
 ESTIMATE_WINDOWS = 32  # calibration-split windows of the first-order estimate (none of them scored)
 BATCH = 4         # windows per compiled call
 CACHE = 256       # the decode objective's cache length
-# Held-out perplexity of each as a uniform policy, float32 23.43 (reports/smollm2-xeon/README.md,
+# Held-out perplexity of each as a uniform policy, float32 23.43 (reports/smollm2-intel-xeon-processor-amx-int8-2c/,
 # GPTQ on every projection, the attention's too): weight-only 8-bit per channel +0.4%, int8 (int8
 # activations) +3.9%, weight-only 4-bit in groups of 32 +12.4%, int4 in blocks of 128 +138%;
 # bfloat16 (+0.3%) is left out: its decode step is 5-10x slower than float32 on these CPUs.

@@ -82,12 +82,17 @@ def test_profile_prints_ratios(tiny, tmp_path, capsys):
     assert (tmp_path / "p.csv").read_text().startswith("layer,class,input_shape,policy")
 
 
-def test_list_names_the_built_in_experiments(capsys):
+#: The tuning tasks in experiments/, and nothing else there (benchmarks live in benchmarks/).
+TASKS = ("digits_cnn", "digits_cnn_nnx", "digits_mlp", "encoder_latency", "keras_text", "minilm", "minilm_nnx",
+         "smollm2", "text_transformer", "wide_mlp")
+
+
+def test_list_names_exactly_the_tuning_tasks_each_with_its_description(capsys):
     assert cli.main(["list"]) == 0
-    out = capsys.readouterr().out
-    for name in ("digits_mlp", "digits_cnn", "text_transformer", "encoder_latency"):
-        assert name in out
-    assert "bench_" not in out
+    rows = [line.split(None, 1) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert tuple(name for name, _ in rows) == TASKS
+    for name, description in rows:  # a module without DESCRIPTION would be listed by its path
+        assert ".py" not in description and not description.startswith(("/", "(cannot")), (name, description)
 
 
 BAD = [

@@ -17,7 +17,7 @@ import pytest
 
 from autopolicy.numerics import cpu_kernels, cpu_weight_only, int4, int8, kernels
 from autopolicy.numerics.device import Device, current_device
-from helpers import load_experiment, on_cpu_backend, on_the_cpu  # noqa: F401  (a fixture)
+from helpers import load_benchmark, on_cpu_backend, on_the_cpu  # noqa: F401  (a fixture)
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason=f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
 # The kernels run on CPUs: their operands there, also where the default device is a GPU.
@@ -1050,14 +1050,14 @@ def test_ops_asked_for_the_cpu_kernel_lower_to_xla_off_a_cpu(op):
     assert "stablehlo.dot_general" in on_gpu
 
 
-# --- the benchmark's bare reads (experiments/bench_cpu_kernels.py) ----------------------------
+# --- the benchmark's bare reads (benchmarks/bench_cpu_kernels.py) -----------------------------
 
 
 def test_the_benchmarks_reads_cover_the_weights_bytes_and_depend_on_the_input():
     """The reads timed beside the kernels read as many bytes as the int8 and int4 weights, and
     their sums change with the call's input (XLA can neither hoist one out of a chain of calls
     nor share it between calls on the same copy: a read it could hoist ran at 4x the probe)."""
-    bench = load_experiment("bench_cpu_kernels")
+    bench = load_benchmark("bench_cpu_kernels")
 
     reads, nbytes = bench.reads(96, 40, seed=0)
     assert nbytes == {"read int8 bytes": 96 * 40, "read int4 bytes": 96 * 40 // 2}
@@ -1076,7 +1076,7 @@ def test_the_benchmarks_reads_cover_the_weights_bytes_and_depend_on_the_input():
 def test_the_benchmarks_ramp_files_each_program_under_its_window():
     """--ramp times every candidate after a pause in windows of time: one row per candidate and
     window, float32 the baseline of each window, and a table a row per candidate."""
-    bench = load_experiment("bench_cpu_kernels")
+    bench = load_benchmark("bench_cpu_kernels")
     windows = (0.003, 0.03)
     # Two of the candidates (each compiles a program of 16 calls): float32 and, where the
     # extension is built, the int8 kernel; "int4 ffi" is not among those asked for.
@@ -1100,7 +1100,7 @@ def test_the_benchmarks_chain_has_no_chain_of_adds_for_xla_to_recompute():
     one small fusion a call: none of the compiled chain's fusions takes more than two operands
     (the chain's first input and the last output; a chain of adds had fusions of up to 65), and
     every call's output still feeds the next call's input."""
-    bench = load_experiment("bench_cpu_kernels")
+    bench = load_benchmark("bench_cpu_kernels")
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.standard_normal((48, 40)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((1, 48)).astype(np.float32))
@@ -1116,9 +1116,9 @@ def test_the_benchmarks_chain_has_no_chain_of_adds_for_xla_to_recompute():
 
 
 def test_the_pool_benchmark_reads_its_shapes_and_states_each_mode():
-    """experiments/bench_cpu_pool.py: M x K x N shapes (a bad one named), and a line per shape with
+    """benchmarks/bench_cpu_pool.py: M x K x N shapes (a bad one named), and a line per shape with
     each mode's ratio to float32 and the default's speed over the helpers, from paired rounds."""
-    bench = load_experiment("bench_cpu_pool")
+    bench = load_benchmark("bench_cpu_pool")
     assert bench._shape("256x576X192") == (256, 576, 192)  # pylint: disable=protected-access
     with pytest.raises(argparse.ArgumentTypeError, match="a shape is M x K x N, e.g. 256x576x192; got '576x192'"):
         bench._shape("576x192")  # pylint: disable=protected-access
@@ -1136,7 +1136,7 @@ def test_the_pool_benchmark_reads_its_shapes_and_states_each_mode():
 
 
 def test_the_benchmark_names_a_bad_warm_up_or_shape(capsys):
-    bench = load_experiment("bench_cpu_kernels")
+    bench = load_benchmark("bench_cpu_kernels")
     assert bench.parse_args(["--warm", "0.2"]).warm == 0.2
     assert bench.parse_args([]).warm == 0.05
     with pytest.raises(SystemExit):
@@ -1153,9 +1153,9 @@ def test_the_benchmark_names_a_bad_warm_up_or_shape(capsys):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_read_ceiling_reads_every_word_of_a_copy(tmp_path, threads):
-    """experiments/read_ceiling.py's reader sums all 1001 words of copy 0 (word i holds i), split
+    """benchmarks/read_ceiling.py's reader sums all 1001 words of copy 0 (word i holds i), split
     between the caller and its helper or on the caller alone, and times a positive median."""
-    ceiling = load_experiment("read_ceiling")
+    ceiling = load_benchmark("read_ceiling")
     if ceiling.compiler() is None:
         pytest.skip("no C++ compiler ($CXX, g++ or c++)")
     binary = ceiling.build(str(tmp_path))
@@ -1165,7 +1165,7 @@ def test_the_read_ceiling_reads_every_word_of_a_copy(tmp_path, threads):
 
 
 def test_the_read_ceiling_names_a_bad_shape(capsys):
-    ceiling = load_experiment("read_ceiling")
+    ceiling = load_benchmark("read_ceiling")
     with pytest.raises(SystemExit):
         ceiling.main(["--shapes", "576by1536"])
     assert "a shape is K x N, e.g. 576x1536; got '576by1536'" in capsys.readouterr().err

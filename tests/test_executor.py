@@ -186,7 +186,7 @@ def test_a_worker_process_killed_mid_task_loses_nothing(tiny, local_result, tmp_
 
 @pytest.mark.slow
 def test_the_command_line_scores_on_worker_processes(tmp_path):
-    sys.path.insert(0, str(ROOT / "experiments"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_interrupts  # pylint: disable=import-outside-toplevel
 
     (tmp_path / "tiny.py").write_text(bench_interrupts.EXPERIMENT)

@@ -13,7 +13,7 @@ import pytest
 from autopolicy import cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_interrupts  # noqa: E402  pylint: disable=wrong-import-position
 
 #: Seconds after the first measurement flush (cache/measurements.json appears) at which SIGINT

@@ -15,6 +15,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     keras = pytest.importorskip("keras")
 
+import autopolicy as ap  # noqa: E402
 import autopolicy.keras as apk  # noqa: E402
 from autopolicy import cli, policies  # noqa: E402
 from test_keras_adapter import IDS, fake_clock, functional_model  # noqa: E402,F401  (fake_clock: a fixture)
@@ -65,12 +66,13 @@ def test_tune_a_keras_file_writes_the_map_and_the_tuned_model(files, fake_clock,
                        "--out", "run", "--repeats", "3", "--no-progress", "--no-report"])
     assert status == 0
     out = capsys.readouterr().out
-    assert "tuned Keras model: run/tuned.keras" in out
+    assert re.search(r"tuned model: run/tuned \(keras, \d+\.\d MB on disk; .*\); load it with "
+                     r"autopolicy.load_tuned\('run'\)", out), out
     policy_map = policies.load_policy_map(files / "run" / "policy_map.json")
     assert "int8_from_float32" in {p.name for p in policy_map.values()}
     summary = json.loads((files / "run" / "summary.json").read_text())
     assert summary["experiment"]["name"] == "model" and summary["experiment"]["metric"] == "evaluate"
-    tuned = apk.load(files / "run" / "tuned.keras")
+    tuned = ap.load_tuned(files / "run")
     expected = apk.apply_policy_map(keras.saving.load_model(files / "model.keras"), policy_map)
     np.testing.assert_array_equal(np.asarray(tuned(IDS)), np.asarray(expected(IDS)))
 

@@ -15,7 +15,7 @@ import pytest
 
 from autopolicy.numerics import _int8_accumulate, _u8s8_dot, cpu_kernels, float8, float_dot, int4, int8, kernels
 from autopolicy.numerics.device import CPU_FEATURES, Device, current_device, known_cpu_features, parse_cpuinfo
-from helpers import assert_bit_identical, gaussian, load_experiment, on_cpu_backend
+from helpers import assert_bit_identical, gaussian, load_benchmark, on_cpu_backend
 
 # --- stand-ins ------------------------------------------------------------------------------
 
@@ -526,12 +526,12 @@ def test_f32_accumulate_is_exactly_xla_in_float32():
                          float_dot.float_einsum("mk,kn->mn", x, kernel, "xla"))
 
 
-# --- the benchmark's bookkeeping (experiments/bench_kernels.py) -------------------------------
+# --- the benchmark's bookkeeping (benchmarks/bench_kernels.py) --------------------------------
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_experiment("bench_kernels")
+    return load_benchmark("bench_kernels")
 
 
 def test_bench_names_the_device_in_the_report_file(bench):

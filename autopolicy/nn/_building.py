@@ -30,7 +30,8 @@ class Building:
 
         Args:
           key: A ``jax.random.key``; each layer derives its own from it and its path.
-          *sample_args, **sample_kwargs: Inputs to run the model on once (any batch size).
+          *sample_args: Inputs to run the model on once (any batch size).
+          **sample_kwargs: Keyword inputs to run it on, likewise.
 
         Raises:
           TypeError: if ``key`` is not a PRNG key.
@@ -49,7 +50,7 @@ class Building:
         # returns is a placeholder or one of the model's own arrays passed through (the usual
         # case). A 4-layer MLP built for a new input shape: 104-110 ms -> 9-10 ms on a 2-core Xeon
         # with AVX-512 (its build pass and each weight's cast had compiled;
-        # experiments/bench_build.py).
+        # benchmarks/bench_build.py).
         def build_pass(own, arrays):
             inputs = list(input_leaves)
             for i, value in zip(traced, arrays):

@@ -172,10 +172,10 @@ def _s8s8_accumulate(equation, x_q, kernel_q, kernel_colsum):
     """XLA's s8 x s8 -> s32 einsum; off a CPU, a contraction whose length is not a multiple of 4
     sums in a float32 einsum instead (:func:`float_accumulate`). On an H200 (jax 0.11.2) XLA:GPU's
     int8 dot of (5, K) x (K, 7) was wrong for every K from 2 to 19 that is not a multiple of 4
-    (outputs twice the true sums), and exact for 1, 4, 8, ..., 20, 48, 130 and 576
-    (experiments/gpu_int4_diag.py). How far past 19 the fault reaches is unknown, so every such
-    length takes the float32 dot (130 too); it is exact while the sums stay below 2**24 (any
-    contraction of up to 1040 values)."""
+    (outputs twice the true sums), and exact for 1, 4, 8, ..., 20, 48, 130 and 576 (checked against
+    numpy's int64 sums; see CHANGELOG.md, 0.2.0). How far past 19 the fault reaches is unknown, so
+    every such length takes the float32 dot (130 too); it is exact while the sums stay below 2**24
+    (any contraction of up to 1040 values)."""
     del kernel_colsum
     if int(np.prod([x_q.shape[a] for a in contracted_axes(equation)[0]])) % 4 == 0:
         return jnp.einsum(equation, x_q, kernel_q, preferred_element_type=jnp.int32,

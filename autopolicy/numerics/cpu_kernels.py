@@ -294,7 +294,7 @@ def pool_min_values() -> int:
     rather than to the kernels' own helpers: XLA splits the fusions that make such an x over its
     pool, so its threads are awake when the call starts, and on a 2-core VM a helper of ours
     beside them took its share late (at 256 and 512 rows the calls ran 1.02-1.30x faster on the
-    pool in the search's timing loop: ``experiments/bench_cpu_pool.py``)."""
+    pool in the search's timing loop: ``benchmarks/bench_cpu_pool.py``)."""
     return int(_lib().autopolicy_cpu_pool_min_values())
 
 

@@ -268,7 +268,7 @@ def _int4_product(x, packed, scale, colsum, block_size, compute_dtype, kernel):
         # Off a CPU the accumulators come from a float32 dot (HIGHEST): on an H200 (jax 0.11.2)
         # XLA:GPU's Triton int8 GEMMs gave wrong int4 products, a block of 2 rows (K = 50 in blocks
         # of 16) wrong in a quarter of its accumulators and, with K = 48 in blocks of 16, whole
-        # outputs twice the CPU's (experiments/gpu_int4_diag.py; right with
+        # outputs twice the CPU's (a diagnostic against numpy's int64 sums; right with
         # --xla_gpu_enable_triton_gemm=false). Each product is at most 127 * 8 in size, so the
         # float32 sums are exact for blocks of up to 16512 rows.
         xin = xq.astype(jnp.int8)

@@ -13,8 +13,8 @@ loss's change:
   about zero over inputs, so this one is the usual sensitivity measure.
 
 Which of them ranks single layers best was measured by rank correlation with one-layer
-perplexity changes of SmolLM2-135M (``experiments/bench_first_order.py``,
-``reports/smollm2/first_order.md``): with the gradient taken on the very windows the metric
+perplexity changes of SmolLM2-135M (``benchmarks/bench_first_order.py``,
+``reports/first-order-smollm2-amd-epyc-avx2-2c.md``): with the gradient taken on the very windows the metric
 scores, their sum ranks 32 layer/candidate pairs with Spearman 0.87 (the Fisher term alone 0.66,
 the first-order term alone 0.67): on the metric's own data the first-order term is not zero, it
 is the sign-indefinite part of each change. On 4 windows disjoint from the scored ones the

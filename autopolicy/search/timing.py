@@ -347,7 +347,7 @@ def choose_inner(runner: Callable[[int], None], target_seconds: float = TARGET_C
     reorder of the weights, say), and which a model pays in every call. The calls are then sized
     from one iteration alone (``target_seconds`` of it, fixed cost included), which keeps a share
     of it: on a 2-core Xeon, ``encoder_latency``'s int8 layers sized by the slope summed to 0.57x
-    the model, sized from one iteration 1.07x (``experiments/bench_layer_sum.py``).
+    the model, sized from one iteration 1.07x (``benchmarks/bench_layer_sum.py``).
 
     A call of ``n`` iterations takes about ``fixed + n * per_iteration``. Both are estimated from
     calls of 1 iteration and of ``m`` (enough for ``target_seconds`` by the first, and at least

@@ -17,9 +17,9 @@
 // 16 us (AVX-512), 45 to 23 us (AVX2), on one thread. Where there are more threads than heads to
 // share, each head's positions split into parts (attend, below): in a decode step the weights'
 // streams have pushed the caches out to memory, and there two threads reading them took a
-// SmolLM2-135M int4 decode step from 5.24-6.23 to 4.69-5.43 ms (AVX2 kernels, two runs each,
-// experiments/ab_grouped_projections.py); with the caches of 30 blocks in L3 alone it made no
-// difference (16-18 us a block).
+// SmolLM2-135M int4 decode step from 5.24-6.23 to 4.69-5.43 ms (AVX2 kernels, two runs each, the
+// old and new libraries in alternating processes); with the caches of 30 blocks in L3 alone it made
+// no difference (16-18 us a block).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

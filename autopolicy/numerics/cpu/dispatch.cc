@@ -81,7 +81,7 @@ const Path* best() {
 const Path* g_path = nullptr;
 
 int64_t g_gemm_min_rows = -1;  // -1: not read yet; 0: the path's own thresholds
-// Measured on two machines with different answers. experiments/bench_cpu_serial.py (a chain of
+// Measured on two machines with different answers. benchmarks/bench_cpu_serial.py (a chain of
 // calls on their own copies of the weights, as a decoder runs them) on the shared 2-core AVX2
 // EPYC at loads 5 and 10 (never quiet) found serial faster for every SmolLM2 block layer, up to
 // 864 KiB; on a quiet 2-core Xeon (AVX512-VNNI) serial/split was 0.72-0.73 at 54-108 KiB, 0.99
@@ -95,7 +95,7 @@ int64_t g_serial_max_bytes = -2;  // -2: not read yet
 // package's own: 256 x 576 x 192 1.10x (int8) and 1.06x (int4), 256 x 576 x 576 1.10x and
 // 1.06x, 256 x 1024 x 1024 1.12x and 1.13x, 128 x 384 x 1536 (49K values) 1.05x and 1.08x;
 // 64 x 576 x 1536 0.98x and 0.99x, 32 x 576 x 576 0.98x and 0.96x, 16 x 576 x 576 0.99x and 0.98x.
-// With this default against the helpers only (experiments/bench_cpu_pool.py, 31 rounds): int8
+// With this default against the helpers only (benchmarks/bench_cpu_pool.py, 31 rounds): int8
 // 1.02-1.30x and int4 1.04-1.19x at 256 and 512 rows, 0.99-1.04x below (the same code).
 constexpr int64_t kPoolMinValues = 1 << 17;  // cpu_kernels.POOL_MIN_VALUES_DEFAULT
 int64_t g_pool_min_values = -2;  // -2: not read yet

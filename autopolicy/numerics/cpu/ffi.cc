@@ -95,7 +95,7 @@ TileGrid tile_grid(int64_t threads, int64_t m, int64_t n, int64_t tile_rows, int
   // At most about 256 rows a task (whole panels), so that a K chunk of x stays in L2 (256 KB of
   // AVX2 pairs at 512 K rows). Each row block packs its columns' weights again: against 192
   // rows (two row blocks at batch 256), 256 ran int8 1.00-1.18x at batch 256 on the SmolLM2
-  // shapes and 4096 x 4096 and 0.95-1.10x at 384-512 (experiments/ab_cpu_kernels.py, 9-11
+  // shapes and 4096 x 4096 and 0.95-1.10x at 384-512 (benchmarks/ab_cpu_kernels.py, 9-11
   // rounds, 2-core Zen 3 EPYC, AVX2); int4 0.96-1.09x. The VNNI tiles were not measured.
   const int64_t panels = (m + tile_rows - 1) / tile_rows;
   const int64_t most = std::max<int64_t>(1, (256 + tile_rows - 1) / tile_rows);
@@ -110,7 +110,7 @@ TileGrid tile_grid(int64_t threads, int64_t m, int64_t n, int64_t tile_rows, int
 // the slabs keep every thread busy, else a share of it (whole 64-column chunks: the VNNI
 // kernels'). On two threads, any K long enough for two slabs takes them whole. Measured on a
 // 16-core Xeon (AVX-512 VNNI, AMX): the int8 576 x 49152 head at batch 1 ran at 1.20x float32
-// with its two slabs whole, see reports/cpu-kernels-intel-xeon-processor-16c.md.
+// with its two slabs whole, see reports/cpu-kernels-intel-xeon-processor-amx-int8-16c.md.
 template <typename Body>
 void parallel_slabs(const Runner& run_on, int64_t slabs, int64_t n, Body body) {
   const int64_t threads = run_on.threads();
@@ -177,7 +177,7 @@ void rescale_pass(ffi::ThreadPool& pool, const Sums* sums, int64_t m, int64_t n,
 // quantized, and packs on every thread; a grouped call's products share it. Before, a call took
 // three regions (the quantizer's, a serial pack, the tiles') and a grouped call one more per
 // product. Measured on the 2-core Zen 3 EPYC (AVX2): single int8 layers gained little, within the
-// noise (experiments/ab_cpu_kernels.py --layers, 61 paired rounds, SmolLM2's 576 x 192, 576 x 576
+// noise (benchmarks/ab_cpu_kernels.py --layers, 61 paired rounds, SmolLM2's 576 x 192, 576 x 576
 // and 1536 x 576 at batches 64 and 256: 0.96-1.07x, where the unchanged int4 streaming kernels
 // read 1.00-1.07x); a grouped q/k/v call (576 -> 576, 192, 192) at 256 rows ran at 1.09-1.16x its
 // three separate calls, where it had run at 1.03-1.04x.
@@ -291,7 +291,7 @@ void int8_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
     const int64_t step = slab_step(k, slabs), count = (k + step - 1) / step;
     // Left uninitialized, as int4's: each slab's first pass writes every sum (zeroed here, each
     // line went from the calling thread's cache to the helper's; no difference could be told in
-    // experiments/ab_cpu_kernels.py --layers at batches 1-2, 0.95-1.05x, 2-core EPYC, AVX2).
+    // benchmarks/ab_cpu_kernels.py --layers at batches 1-2, 0.95-1.05x, 2-core EPYC, AVX2).
     std::unique_ptr<int32_t[]> partial(new int32_t[static_cast<size_t>((count - 1) * m * n)]);
     int32_t* parts = partial.get();
     parallel_slabs(run_on, count, n, [=, &path](int64_t s, int64_t n0, int64_t n1) {
@@ -334,7 +334,7 @@ void int4_product(ffi::ThreadPool& pool, const Path& path, const int8_t* xp, int
     // outputs are its int32 sums as floats, exact (|sum| <= 127 * 8 * K < 2**24), and so is their
     // total; times the scales, the values of the single pass, bit for bit. Against the column
     // split: 4096 x 4096 1.11-1.15x at batch 1, 1.03-1.18x at 2 (four runs); 1536 x 576
-    // 0.93-1.04x (two runs), so shorter K kept the column split (experiments/ab_cpu_kernels.py
+    // 0.93-1.04x (two runs), so shorter K kept the column split (benchmarks/ab_cpu_kernels.py
     // --layers, 41 rounds a run, 2-core AMD EPYC, AVX2; int8, unchanged, 0.98-1.02x). Since the
     // stream fetches the next pass of whole narrow rows in order (gemv_avx2.cc), narrow layers
     // from K = 512 split too at batch 1-2 (576- and 1536-long K, 192-1536 wide: see int4_stream;
@@ -541,8 +541,8 @@ ffi::Error Int4DenseImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
 // where separate calls each pay a call's fixed cost and, below serial_max_bytes(), leave the
 // other threads idle (SmolLM2's 576 x 192 key and value). On a 2-core Zen 4 EPYC the grouped
 // calls ran SmolLM2-135M's int4 q/k/v chain of 24 blocks at 1.05-1.20x the separate calls' speed
-// and its decode step at 0.97-1.06x, within that machine's noise
-// (experiments/ab_grouped_projections.py).
+// and its decode step at 0.97-1.06x, within that machine's noise (decode steps compiled with
+// AUTOPOLICY_GROUPED_PROJECTIONS=1 and =0, timed in alternating order in one process).
 
 // One product of a grouped call: its weights (int8 (K, N) or packed int4 (ceil(K/2), N)), scales
 // (int8 (N,), int4 (G, N)), width, output and where its sums go before the rescale (the output

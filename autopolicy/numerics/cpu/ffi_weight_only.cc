@@ -38,7 +38,7 @@ ffi::Error WeightOnlyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
                           int64_t bits, int64_t group, std::string_view path_name, ffi::ResultBuffer<ffi::F32> out) {
   // The SIMD path the call names ("": the one in use): on a Zen 4, whose AVX-512 runs as two
   // 256-bit halves, the AVX2 kernel ran a SmolLM2-135M gptq/8 decode step at 2.99-3.11x float32,
-  // the AVX-512 one at 1.91-1.95x (experiments/smollm2_cpu_paths.py), so both are tactics.
+  // the AVX-512 one at 1.91-1.95x (benchmarks/smollm2_cpu_paths.py), so both are tactics.
   const Path* path = path_named(std::string(path_name));
   if (path == nullptr) return invalid(path_refusal(std::string(path_name)));
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(), zd = zero.dimensions();

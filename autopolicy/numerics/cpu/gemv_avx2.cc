@@ -144,7 +144,7 @@ inline void unpermute32(int32_t* row, int64_t n0, int64_t n1) {
 // take 8 rows a pass and leave their long rows to the hardware prefetchers. Wide ranges went to
 // int8_stream before (four rows a pass): this kernel with 8 rows a pass was 1.04-1.12x faster on
 // a 4096 x 4096 layer at batch 1 and 1.09-1.16x at 2 (three runs), 1.20x at 3 (one run), and
-// 1.01-1.06x on the 576 x 49152 head at batch 1-3 (two runs): experiments/ab_cpu_kernels.py
+// 1.01-1.06x on the 576 x 49152 head at batch 1-3 (two runs): benchmarks/ab_cpu_kernels.py
 // --layers, 41 rounds a run, on a 2-core Zen 3 EPYC (AVX2, FMA; no AVX-512); the int4 layers,
 // unchanged, 0.97-1.01x; with 4 rows a pass it was 0.91-0.95x.
 constexpr int kBytePassQuads = 4;      // quads of K rows a pass over narrow ranges: 16 rows
@@ -178,7 +178,7 @@ void int8_stream_bytes(const int8_t* x, int64_t k, const int8_t* w, int64_t n, i
     // one, 27-34 us read front to back (one thread, 64 copies in turn, 2-core Zen 3 EPYC). In the
     // kernel, with 8 rows a pass (int8_rows), against the row-by-row fetch and 16 rows:
     // 1.14-1.15x (median of eight layer shapes and batches, 576 x 576 to 1536 x 576, batch 1 and
-    // 2, two runs of experiments/ab_cpu_kernels.py --layers, 41 rounds; an A/A pair 0.99-1.00x);
+    // 2, two runs of benchmarks/ab_cpu_kernels.py --layers, 41 rounds; an A/A pair 0.99-1.00x);
     // with 16 rows a pass 1.07-1.13x; fetching two passes ahead 0.87-0.99x (eight shapes, one run).
     const bool narrow = n1 - n0 <= kNarrowColumns, next_pass = i + 8 * Q <= k;
     const bool whole = whole_rows(n0, n1, n);
@@ -262,7 +262,7 @@ void int8_rows(const int8_t* x, int64_t k, const int8_t* w, int64_t n, int64_t n
 // Blocks shorter than K (kBlocked: int4/<block>) end inside their last pass: each chunk's sums,
 // complete there and still in registers, go into the output at once, and the block's first pass
 // writes its sums without reading any back, so no pass clears the sums and none re-reads them at
-// the block's end. Against that separate pass, with blocks of 32 (experiments/ab_cpu_kernels.py,
+// the block's end. Against that separate pass, with blocks of 32 (benchmarks/ab_cpu_kernels.py,
 // kernel alone, 31 rounds, two runs, 2-core AMD EPYC Zen 3, AVX2): 1.04-1.09x on 4096 x 4096 and
 // the 576 x 49152 head at batch 1, 1.11-1.19x at batch 2, 1.01-1.16x at batches 4 and 8; the
 // narrow shapes 0.92-1.06x, within the A/A spread. Per channel keeps the separate pass: the same
@@ -315,7 +315,7 @@ void int4_stream(const int8_t* x, int64_t k, const uint8_t* w, int64_t n, int64_
       // arrived when the pass ends. Over narrow whole rows, in place of each row's line a pass
       // ahead, together with K slabs from 512 rows (ffi.cc): 1.09-1.13x (medians of the same eight
       // shapes and batches as int8_stream_bytes', two runs; int8 unchanged 1.02-1.03x). Paired
-      // against each row's line 256 bytes ahead (experiments/ab_cpu_kernels.py --layers, 41
+      // against each row's line 256 bytes ahead (benchmarks/ab_cpu_kernels.py --layers, 41
       // rounds a run, four runs, 2-core Zen 3 EPYC, AVX2): 4096 x 4096 int4 0.98-1.05x at batch 1
       // (A/A 0.96-0.99x), 1.06-1.10x at 2 (A/A 0.98-1.03x). Fetched to L2 (T1) it was 0.99-1.00x
       // at batch 1, NTA 1.00-1.04x.

@@ -81,11 +81,11 @@ inline void in_order_lanes(const __m512i (&s)[4], __m512i (&out)[4]) {
 constexpr int kQuads = 4;
 // The int8 stream over narrow whole rows at one or two rows of x (a decoder's projections, K
 // slabs of them) takes kNarrowQuads quads (8 K rows) a pass and fetches the next pass in order.
-// On a SmolLM2-135M decode step (experiments/smollm2_cpu_paths.py --rounds 4, int8 everywhere,
+// On a SmolLM2-135M decode step (benchmarks/smollm2_cpu_paths.py --rounds 4, int8 everywhere,
 // a 2-core Zen 4 EPYC with AVX-512 VNNI) that ran at 2.75-2.78x float32 in three runs, against
 // 2.52-2.68x with 16 rows a pass and the next pass fetched row by row (int4 with the in-order
 // fetch alone: 3.66-3.81x against 3.59-3.68x). With 16 rows and the in-order fetch, or 4 rows,
-// the layers were no faster than with 8 (experiments/ab_cpu_kernels.py --layers).
+// the layers were no faster than with 8 (benchmarks/ab_cpu_kernels.py --layers).
 constexpr int kNarrowQuads = 2;
 
 thread_local std::vector<int32_t> t_quads, t_sums;

@@ -45,7 +45,7 @@ using Int4GemmFn = void (*)(const int32_t* xp, int64_t m, int64_t k, const uint8
 // AVX2's chunks: up to 512 rows, so a strip (24 columns, 256 K pairs: 24 KB) stays in L1 while the
 // row tiles walk it, in a panel of up to 1 MB (were 192 KB), so wide tasks keep deep chunks too
 // (a 1024-wide task: 508 rows, where 192 KB allowed 94) and load and store each tile's int32 sums
-// less often. Paired against 256 rows in 192 KB (experiments/ab_cpu_kernels.py, 2-core AMD EPYC
+// less often. Paired against 256 rows in 192 KB (benchmarks/ab_cpu_kernels.py, 2-core AMD EPYC
 // Zen 3, AVX2): int8 4096 x 4096 1.13x [1.11-1.13] at batch 256 and 1.09x at 64, the 576-wide
 // layers 0.94-1.07x. Chunks of up to 2048 rows (strips past L1 on narrow tasks of long K) ran
 // 0.93-0.95x of these on 1536 x 576 at batch 64 and the same elsewhere (two runs of 15 rounds).
@@ -181,7 +181,7 @@ bool offer_to_helpers(int64_t helpers, std::shared_ptr<const std::function<void(
 // descheduled onto it). A yield at every poll, as before, is a system call each time: the
 // SmolLM2-135M int4 decode step on the AVX2 streams went from 3.75-3.89x float32 to 4.44-4.49x
 // with this wait and int4's slab total (ffi.cc), two runs of each build in alternating processes
-// (experiments/smollm2_cpu_paths.py, 2-core Zen 4 EPYC).
+// (benchmarks/smollm2_cpu_paths.py, 2-core Zen 4 EPYC).
 void wait_until(const std::atomic<int64_t>& count, int64_t target);
 
 // An FFI buffer's dimensions as Python writes a shape: "(2, 3)", "(4,)" (for the FFI handlers'

@@ -137,7 +137,7 @@ void row_block(const WeightOnlyArgs& a, int64_t m0, int64_t row, int64_t count) 
 // weights at half the memory's rate: on a 2-core EPYC (Zen 3, AVX2), weights streamed from
 // memory, both threads, 576 x 49152 at 8 bits per channel: 3.29 -> 1.77 ms (16.0 GB/s; float32
 // XLA 5.6 ms), 576 x 1536: 1.65x, 1536 x 576: 1.42x, 576 x 576 and 576 x 192: 1.0-1.25x
-// (experiments/ab_cpu_kernels.py --weight-only --layers). One thread, 576 x 49152 from memory:
+// (benchmarks/ab_cpu_kernels.py --weight-only --layers). One thread, 576 x 49152 from memory:
 // four streams 4.0-5.0 GB/s, one stream 8.0 GB/s, prefetched 4 KB on 10.7-12.8 GB/s.
 constexpr int64_t kStreamAhead = 4096;
 

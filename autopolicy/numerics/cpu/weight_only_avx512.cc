@@ -10,7 +10,7 @@
 // Measured and left out (2026-11-26, 2-core Xeon with AVX512-VNNI): the inputs as 28-bit fixed
 // point in four byte digits against the grid bytes with vpdpbusd (four products of 64 a step
 // where this kernel widens, converts and multiplies 16 a step), combined in float at each
-// group's end. Kernel alone (`experiments/ab_cpu_kernels.py --weight-only`), at batch 1 it was
+// group's end. Kernel alone (`benchmarks/ab_cpu_kernels.py --weight-only`), at batch 1 it was
 // 1.04-1.20x this kernel per channel and 0.82-0.96x in groups of 32 or 128 (the per-group
 // combine), 0.86x on the 576 x 49152 head at 8 bits; at batch 4, 0.57-0.78x everywhere.
 //
