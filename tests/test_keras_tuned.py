@@ -115,6 +115,7 @@ def test_a_timed_program_outlives_predict_on_its_model():
 @pytest.mark.parametrize("build, idiom", [
     (functional_model, "predict"),
     (functional_model, "evaluate"),
+    (functional_model, "call"),
     (sequential_model, "call"),
     (subclassed_model, "call_training_false"),
     (subclassed_model, "predict"),
@@ -134,6 +135,10 @@ def test_every_idiom_tunes_applies_saves_and_reloads(build, idiom, tmp_path):
     expected = np.asarray(tuned(IDS))
     np.testing.assert_array_equal(np.asarray(ap.keras.apply_policy_map(model, result.policy_map)(IDS)), expected)
     assert result.save(tmp_path / "run") == str(tmp_path / "run" / "tuned")
+    from autopolicy import report  # pylint: disable=import-outside-toplevel
+
+    with open(report.write_report(str(tmp_path / "run"))["markdown"], encoding="utf-8") as f:
+        assert "**Tuned model:** tuned/ in the run directory (keras, " in f.read()
     np.testing.assert_array_equal(np.asarray(ap.load_tuned(tmp_path / "run")(IDS)), expected)
     np.testing.assert_array_equal(np.asarray(ap.load_tuned(tmp_path / "run", model)(IDS)), expected)
     assert_same_snapshot(before, snapshot(model))

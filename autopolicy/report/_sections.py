@@ -114,9 +114,20 @@ def _costs(run: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def _tuned_model(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where the tuned model is and how to load it (runs that saved one)."""
+    tuned = summary.get("tuned_model")
+    if not isinstance(tuned, dict):
+        return []
+    size = _num(tuned.get("nbytes", 0) / 1e6, ".1f", " MB") if isinstance(tuned.get("nbytes"), (int, float)) else MISSING
+    return [("Tuned model", f"{tuned.get('path', 'tuned')}/ in the run directory ({tuned.get('framework', MISSING)}, "
+                            f"{size}): autopolicy.load_tuned(RUN_DIR)")]
+
+
 def _headline(run: dict[str, Any]) -> list[Block]:
     summary = run["summary"]
-    items = [("Chosen", _chosen_line(run)), *_speed(summary), *_metric(summary), *_costs(run)]
+    items = [("Chosen", _chosen_line(run)), *_speed(summary), *_metric(summary), *_tuned_model(summary),
+             *_costs(run)]
     return [Heading("Headline"), Facts(items)]
 
 
