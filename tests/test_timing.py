@@ -160,3 +160,18 @@ def test_a_carry_that_changes_the_inputs_structure_or_shapes_is_refused():
     bad_shape = timing.Candidate(_counting_step([]), (X, jnp.asarray(0)), jnp.eye(64), carry=lambda i, o: (o[0][:2], o[1]))
     with pytest.raises(ValueError, match="must keep the inputs' shapes and dtypes"):
         timing.compile_loop(bad_shape)
+
+
+def test_a_timer_runs_a_stateful_step_several_to_a_call():
+    """A decoding loop runs its steps back to back: a carried candidate's timed call runs at
+    least CARRIED_STEPS steps (one step a call carried the call's own cost into the step's)."""
+    seen = []
+    cand = timing.Candidate(_counting_step(seen), (X, jnp.asarray(0, jnp.int32)), jnp.eye(64),
+                            carry=lambda inputs, out: (inputs[0], out[1]))
+    timer = timing.Timer({"step": cand}, warmup=0)
+    runner, inner = timer.runners["step"]
+    assert inner >= timing.CARRIED_STEPS == 8
+    before = len(seen)
+    runner()
+    assert len(seen) - before == inner  # one call, `inner` consecutive steps
+    assert seen[-inner:] == list(range(seen[-inner], seen[-inner] + inner))

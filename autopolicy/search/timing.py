@@ -37,12 +37,19 @@ __all__ = ["Timing", "Candidate", "Timer", "choose_inner", "compile_async", "com
 
 #: Part of every cached timing's key: measurements taken by an older method (or an older kernel
 #: implementation) are not reused.
-METHOD = "loop-carry-6"
+METHOD = "loop-carry-7"
 TARGET_CALL_SECONDS = 2e-3  # each timed call runs at least this long (amortizes dispatch)
 MAX_INNER = 10000
 #: The most of a timed call its fixed cost may take (:func:`choose_inner`).
 FIXED_SHARE = 0.05
 MAX_CALL_TARGETS = 5
+#: Steps each timed call of a stateful candidate (a decode step and its cache: ``Candidate.carry``)
+#: runs at least. A decoding loop runs its steps back to back in one program, so the step is timed
+#: that way, the call's dispatch shared by the steps: sized from one step, as other whole models are
+#: on CPUs, a SmolLM2 decode step (about 12 ms) ran once a call and carried 2-8 ms of the call's own
+#: cost (2-core EPYC: 15.7 ms in the tune against 11.8 ms a token in ``greedy_generate``'s loop at
+#: the same cache depth).
+CARRIED_STEPS = 8
 #: Calls per loop iteration off CPUs: a GPU's while loop costs ~35 us an iteration (its condition
 #: goes to the host), many times a small layer's work; on an H200, layers of `encoder_latency`
 #: timed one call an iteration summed to 4.3x the model, eight calls 1.0-1.3x.
@@ -376,6 +383,15 @@ def choose_inner(runner: Callable[[int], None], target_seconds: float = TARGET_C
     return int(min(MAX_INNER, max(1, math.ceil(wanted / per_iteration))))
 
 
+def _inner_of(runner: Callable[[int], None], candidate: Candidate, target_seconds: float) -> int:
+    """Iterations per timed call of ``candidate``: :func:`choose_inner`'s, and for a stateful
+    step at least :data:`CARRIED_STEPS`, sized by the slope (its loop hoists nothing a decoding
+    loop would not hoist too)."""
+    if candidate.carry is not None:
+        return int(min(MAX_INNER, max(CARRIED_STEPS, choose_inner(runner, target_seconds))))
+    return choose_inner(runner, target_seconds, fixed_is_work=_platform(candidate) == "cpu")
+
+
 def _time_once(run: Callable[[], None]) -> float:
     start = time.perf_counter()
     run()
@@ -446,7 +462,7 @@ class Timer:
         for name, runner in runners.items():
             try:  # a stateful step compiles here, on its first call
                 runner(1)
-                inner = choose_inner(runner, self.target_seconds, fixed_is_work=_platform(candidates[name]) == "cpu")
+                inner = _inner_of(runner, candidates[name], self.target_seconds)
             except Exception as e:  # pylint: disable=broad-except
                 if errors is None:
                     raise
