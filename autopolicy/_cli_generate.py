@@ -107,8 +107,7 @@ def generate_lines(run_dir: str, prompt: str, tokens: int, float32: bool = False
     step = _run_step_seconds(summary)
     if step:
         emit(f"the tune timed one decode step of the tuned model at {1e3 * step:.2f} ms: {1 / step:.1f} tokens/s "
-             f"(one step per timed call, its dispatch included; cache {length}; device: "
-             f"{summary.get('device', 'unknown')})")
+             f"(steps back to back at cache {length}; device: {summary.get('device', 'unknown')})")
 
 
 def _summary(run_dir: str) -> dict[str, Any]:
