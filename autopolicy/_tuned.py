@@ -193,8 +193,40 @@ def _write_flax(model: Any, directory: str, policy_map: Any, sample_args: tuple 
                          "the float model, which Qwix quantizes by calling it once): pass structure= and "
                          "sample_args=.")
     _flax_save.save(model, directory, policy_map)
-    _atomic.write_bytes(os.path.join(directory, _GRAPHDEF_FILE), cloudpickle.dumps(tuple(structure)))
+    by_value = _unimportable_modules(structure[0])
+    for module in by_value:  # a class from a file run as a script (an experiment): its code goes along
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        _atomic.write_bytes(os.path.join(directory, _GRAPHDEF_FILE), cloudpickle.dumps(tuple(structure)))
+    finally:
+        for module in by_value:
+            cloudpickle.unregister_pickle_by_value(module)
     return [_flax_save.STATE_DIR, _flax_save.MAP_FILE, _flax_save.RULES_FILE, _GRAPHDEF_FILE]
+
+
+def _unimportable_modules(graphdef: Any) -> list:
+    """The modules of the classes in ``graphdef`` that another process could not import by name
+    (loaded from a file path, as experiments are): cloudpickle then stores their classes by value."""
+    import importlib.util  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    names = set()
+    for node in getattr(graphdef, "nodes", ()) or ():
+        cls = getattr(node, "type", None)
+        if isinstance(cls, type):
+            names.add(cls.__module__)
+    out = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if module is None or name == "__main__":
+            continue
+        try:
+            findable = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            findable = False
+        if not findable:
+            out.append(module)
+    return out
 
 
 def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:

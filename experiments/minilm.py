@@ -59,28 +59,9 @@ def model_dir() -> pathlib.Path:
     return directory
 
 
-@nn.register_serializable
-class SentenceEncoder(nn.Module):
-    """BERT embeddings, post-norm blocks with a padding mask, masked mean pooling, L2 norm.
-
-    Call as ``encoder(ids, mask)`` with ``(batch, time)`` token ids and a mask that is 1 for real
-    tokens; returns ``(batch, dim)`` unit vectors.
-    """
-
-    def __init__(self, vocab_size=30522, dim=384, heads=12, mlp=1536, blocks=6, max_length=512,
-                 type_vocab_size=2, epsilon=1e-12, activation="gelu", **kwargs):
-        super().__init__(**kwargs)
-        self.embeddings = nn.BertEmbeddings(vocab_size, dim, max_length, type_vocab_size, epsilon)
-        self.blocks = [nn.TransformerBlock(dim, heads, mlp, norm_first=False, norm_epsilon=epsilon,
-                                           activation=activation, name=f"block_{i}") for i in range(blocks)]
-        self.pooling = nn.GlobalAveragePooling1D()
-        self.normalize = nn.UnitNormalization()
-
-    def call(self, ids, mask):
-        x = self.embeddings(ids)
-        for block in self.blocks:
-            x = block(x, mask=mask)
-        return self.normalize(self.pooling(x, mask))
+#: The encoder: a library class (``autopolicy.nn.SentenceEncoder``), so that a tuned one saved in a
+#: run directory loads with ``autopolicy.load_tuned`` in any process, without this file.
+SentenceEncoder = nn.SentenceEncoder
 
 
 def load_model(directory: pathlib.Path | None = None, blocks: int | None = None) -> SentenceEncoder:

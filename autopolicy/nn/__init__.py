@@ -20,7 +20,7 @@ from autopolicy.nn.embedding import Embedding
 from autopolicy.nn.normalization import LayerNormalization, RMSNormalization, UnitNormalization
 from autopolicy.nn.sequential import Sequential
 from autopolicy.nn.transformer import TransformerBlock, causal_mask
-from autopolicy.nn.bert import BertEmbeddings, bert_mapping
+from autopolicy.nn.bert import BertEmbeddings, SentenceEncoder, bert_mapping
 from autopolicy.nn.llama import LlamaAttention, LlamaBlock, LlamaConfig, LlamaDecoder, LlamaMLP
 from autopolicy.nn.gguf import load_gguf
 from autopolicy.nn.generation import greedy_generate, perplexity
@@ -55,6 +55,7 @@ __all__ = [
     "TransformerBlock",
     "causal_mask",
     "BertEmbeddings",
+    "SentenceEncoder",
     "bert_mapping",
     "LlamaConfig",
     "LlamaAttention",

@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 
 from autopolicy.nn._module import Module
-from autopolicy.nn.core import Dropout
+from autopolicy.nn.core import Dropout, GlobalAveragePooling1D
 from autopolicy.nn.embedding import Embedding
-from autopolicy.nn.normalization import LayerNormalization
+from autopolicy.nn.normalization import LayerNormalization, UnitNormalization
+from autopolicy.nn.transformer import TransformerBlock
 from autopolicy.nn.weights import Rule
 
-__all__ = ["BertEmbeddings", "bert_mapping"]
+__all__ = ["BertEmbeddings", "SentenceEncoder", "bert_mapping"]
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -120,6 +121,38 @@ def _check_path(argument: str, value: Any) -> str:
     if not isinstance(value, str) or not value or value.startswith("/") or value.endswith("/"):
         raise ValueError(f"{argument} must be a layer path such as 'encoder/embeddings'. Received: {argument}={value!r}")
     return value
+
+
+class SentenceEncoder(Module):
+    """A BERT sentence encoder (as sentence-transformers' all-MiniLM-L6-v2): BERT embeddings,
+    post-norm blocks with a padding mask, masked mean pooling and an L2 norm.
+
+    Call as ``encoder(ids, mask)`` with ``(batch, time)`` token ids and a mask that is 1 for real
+    tokens; returns ``(batch, dim)`` unit vectors. A library class, so that a saved encoder (a
+    tuned one in a run directory) loads in any process.
+
+    >>> import autopolicy.nn as nn
+    >>> ids, mask = jnp.ones((2, 5), jnp.int32), jnp.ones((2, 5), jnp.int32)
+    >>> encoder = nn.SentenceEncoder(50, 8, 2, 16, blocks=1, max_length=8).build(jax.random.key(0), ids, mask)
+    >>> encoder(ids, mask).shape
+    (2, 8)
+    """
+
+    def __init__(self, vocab_size: int = 30522, dim: int = 384, heads: int = 12, mlp: int = 1536, blocks: int = 6,
+                 max_length: int = 512, type_vocab_size: int = 2, epsilon: float = 1e-12, activation: str = "gelu",
+                 **kwargs: Any):
+        super().__init__(**kwargs)
+        self.embeddings = BertEmbeddings(vocab_size, dim, max_length, type_vocab_size, epsilon)
+        self.blocks = [TransformerBlock(dim, heads, mlp, norm_first=False, norm_epsilon=epsilon,
+                                        activation=activation, name=f"block_{i}") for i in range(blocks)]
+        self.pooling = GlobalAveragePooling1D()
+        self.normalize = UnitNormalization()
+
+    def call(self, ids: Any, mask: Any) -> Any:
+        x = self.embeddings(ids)
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return self.normalize(self.pooling(x, mask))
 
 
 def bert_mapping(embeddings: str, blocks: str | Sequence[str], pooler: str | None = None) -> tuple[Rule, ...]:
