@@ -207,7 +207,7 @@ def _write_flax(model: Any, directory: str, policy_map: Any, sample_args: tuple 
 def _unimportable_modules(graphdef: Any) -> list:
     """The modules of the classes in ``graphdef`` that another process could not import by name
     (loaded from a file path, as experiments are): cloudpickle then stores their classes by value."""
-    import importlib.util  # pylint: disable=import-outside-toplevel
+    import importlib.machinery  # pylint: disable=import-outside-toplevel
     import sys  # pylint: disable=import-outside-toplevel
 
     names = set()
@@ -220,10 +220,8 @@ def _unimportable_modules(graphdef: Any) -> list:
         module = sys.modules.get(name)
         if module is None or name == "__main__":
             continue
-        try:
-            findable = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            findable = False
+        # Not find_spec: it answers from sys.modules, where a module loaded from a path is too.
+        findable = importlib.machinery.PathFinder.find_spec(name.split(".")[0]) is not None
         if not findable:
             out.append(module)
     return out
