@@ -100,9 +100,10 @@ def test_summary_figures_are_consistent(trained, result):
 
 
 def test_run_directory_round_trips(result, tmp_path):
-    result.save(tmp_path)
+    assert result.save(tmp_path) == str(tmp_path / "tuned")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "frontier.csv", "policy_map.json", "policy_map.kernels.json", "profile.csv", "summary.json"]
+        "frontier.csv", "policy_map.json", "policy_map.kernels.json", "profile.csv", "summary.json", "tuned"]
+    assert json.loads((tmp_path / "summary.json").read_text())["tuned_model"]["framework"] == "autopolicy.nn"
     loaded = search.load_run(tmp_path)
     assert loaded["policy_map"] == result.policy_map
     assert json.loads((tmp_path / "policy_map.json").read_text())["class_name"] == "DTypePolicyMap"
