@@ -96,7 +96,7 @@ def test_list_names_exactly_the_tuning_tasks_each_with_its_description(capsys):
     needs = {"keras_text": "keras", "digits_cnn_nnx": "flax", "minilm_nnx": "flax"}
     for name, description in rows:  # a module without DESCRIPTION would be listed by its path
         if name in needs and importlib.util.find_spec(needs[name]) is None:
-            assert f"No module named '{needs[name]}'" in description, (name, description)
+            assert needs[name] in description.lower(), (name, description)  # names what it needs
             continue
         assert ".py" not in description and not description.startswith(("/", "(cannot")), (name, description)
 
