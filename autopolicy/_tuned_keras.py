@@ -50,8 +50,7 @@ def load(directory: str, manifest: dict[str, Any], model: Any) -> Any:
     kernels = manifest.get("kernels") or {}
     if model is None:
         return _with_kernels(stored, kernels)
-    if _keras_models.layer_index(model) and _layout(model) != _layout(stored):
-        check_same(_layout(stored), _layout(model), "layer")
+    check_same(_layout(stored), _layout(model), "layer")
     policy_map = apk.policy_map_of(stored)
     if policy_map is None:  # pragma: no cover  (apk.load remembers the archive's map)
         raise TunedModelError(f"{directory!r}'s Keras archive holds no policy map.")
