@@ -90,7 +90,9 @@ def test_two_processes_tune_one_sharded_model_alike(tmp_path):
     assert layer_timings and all(v["latency_p25_s"] >= SLEEP_S for v in layer_timings)
     # Only process 0 wrote: its run directory and cache; process 1 created neither.
     assert sorted(os.listdir(tmp_path / "p0" / "run")) == ["frontier.csv", "policy_map.json",
-                                                            "policy_map.kernels.json", "profile.csv", "summary.json"]
+                                                            "policy_map.kernels.json", "profile.csv", "summary.json",
+                                                            "tuned"]
+    assert json.loads((tmp_path / "p0" / "run" / "tuned" / "tuned.json").read_text())["framework"] == "autopolicy.nn"
     assert (tmp_path / "p0" / "cache" / "measurements.json").is_file()
     assert not (tmp_path / "p1").exists()
     # The second run found process 0's measurements on both processes alike.
