@@ -196,9 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--out", help="the map's output file")
     what.add_argument("--model", metavar="DIR", help="copy the tuned model to DIR (a new directory), which "
                       "autopolicy.load_tuned(DIR) reads as it reads RUN_DIR")
-    export.add_argument("--format", choices=("json", "table"), default="json",
+    export.add_argument("--format", choices=("json", "table", "gguf", "llama-tensor-types"), default="json",
                         help="with --out; json: Keras DTypePolicyMap envelope, with its kernels in OUT.kernels.json "
-                             "beside it (for model.with_kernels); table: path and policy per line")
+                             "beside it (for model.with_kernels); table: path and policy per line; gguf: a language "
+                             "model's tune as a GGUF file llama.cpp runs, each tensor in the type nearest its policy, "
+                             "quantized by llama.cpp's llama-quantize from the source GGUF (build it once: python -m "
+                             "autopolicy.llamacpp build); llama-tensor-types: only the --tensor-type-file lines")
+    export.add_argument("--source", default=None, metavar="GGUF",
+                        help="with --format gguf: the GGUF file the tune started from (default: the one the run records)")
 
     generate = add("generate", help="greedily continue a prompt with a language model's tuned model, with tokens/s")
     generate.add_argument("run_dir", help="the run directory of a language model's tune (autopolicy tune smollm2)")
@@ -423,6 +428,10 @@ def _export(args: argparse.Namespace) -> int:
         nbytes = _tuned.export_tuned(args.run_dir, args.model)
         print(f"wrote {args.model} ({_megabytes(nbytes)}): load it with autopolicy.load_tuned({args.model!r})")
         return EXIT_OK
+    if args.format in ("gguf", "llama-tensor-types"):
+        return _export_llama(args)
+    if args.source is not None:
+        raise UsageError(f"--source goes with --format gguf (got --format {args.format})")
     source = os.path.join(args.run_dir, result.MAP_FILE)
     if not os.path.isfile(source):
         raise UsageError(f"no policy map in {args.run_dir!r} (expected {source!r}); run `autopolicy tune` first")
@@ -442,6 +451,50 @@ def _export(args: argparse.Namespace) -> int:
         width = max(len(p) for p, _ in rows)
         _atomic.write_text(args.out, "".join(f"{p.ljust(width)}  {n}\n" for p, n in rows))
     print(f"wrote {args.out}")
+    return EXIT_OK
+
+
+def _export_llama(args: argparse.Namespace) -> int:
+    """``export --format gguf|llama-tensor-types``: a language model's tune for llama.cpp."""
+    from autopolicy import _atomic, _rundir, _tuned, llamacpp  # pylint: disable=import-outside-toplevel
+
+    if not os.path.isdir(args.run_dir):
+        raise UsageError(f"no run directory at {args.run_dir!r}")
+    _rundir.check_output_file(args.out)
+    try:
+        manifest = _tuned.read_manifest(args.run_dir)
+    except _tuned.TunedModelError as error:
+        raise UsageError(f"{error} (--format {args.format} exports the tuned model)") from error
+    if manifest.get("framework") != "autopolicy.nn":
+        raise UsageError(f"--format {args.format} exports llama decoders tuned as autopolicy.nn models; the run in "
+                         f"{args.run_dir!r} holds a {manifest.get('framework')} model")
+    source = args.source or (manifest.get("source") or {}).get("gguf")
+    if args.format == "gguf" and source is None:
+        raise UsageError(f"the run in {args.run_dir!r} records no source GGUF file: name it with --source FILE.gguf")
+    if source is not None and not os.path.isfile(source):
+        raise UsageError(f"no GGUF file at {source!r}" + ("" if args.source else " (the run's source): name it with --source"))
+    model = _tuned.load_tuned(args.run_dir)
+    try:
+        tied = True if source is None else "output.weight" not in llamacpp.read_tensor_types(source)
+        types = llamacpp.gguf_types(model, tied=tied)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    if args.format == "llama-tensor-types":
+        _atomic.write_text(args.out, llamacpp.tensor_type_lines(types))
+        extra = "".join(f" --{flag} {types[name][0].lower()}" for name, flag in
+                        (("token_embd.weight", "token-embedding-type"), ("output.weight", "output-tensor-type"))
+                        if name in types)
+        print(f"wrote {args.out} ({len(types)} tensors); use it as: llama-quantize --allow-requantize "
+              f"--tensor-type-file {args.out}{extra} SOURCE.gguf OUT.gguf Q8_0")
+        return EXIT_OK
+    try:
+        written = llamacpp.export_gguf(model, source, args.out)
+    except llamacpp.LlamaCppError as error:
+        raise UsageError(str(error)) from error
+    counts = ", ".join(f"{n} {k}" for k, n in written.type_counts().items())
+    print(f"wrote {args.out} ({_megabytes(written.nbytes)}; weight matrices: {counts})")
+    for name, (asked, got) in written.fallbacks.items():
+        print(f"  {name}: llama.cpp wrote {got} (the policy maps to {asked}, which does not fit its shape)")
     return EXIT_OK
 
 

