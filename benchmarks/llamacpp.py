@@ -200,9 +200,7 @@ def main(argv=None) -> int:
         for prompt in PROMPTS:
             prompt_ids = tok.encode(prompt).ids
             ours = tok.decode(generation.greedy_generate(models["tuned"], prompt_ids, 24, 64))
-            theirs = tools.run("llama-completion", "-m", export.path, "-p", prompt, "-n", 24, "-no-cnv", "--temp", 0,
-                               "--top-k", 1, "--simple-io", "--no-warmup", "--no-display-prompt", "-t", args.threads,
-                               "--ignore-eos", "-s", 1)
+            theirs = llamacpp.greedy_text(tools, export.path, prompt, 24, args.threads)
             texts.append((prompt, ours, theirs))
 
     print("perplexity ...", file=sys.stderr)
@@ -255,6 +253,10 @@ def render(args, tools, decode, prefill, ppl, sizes, export, texts) -> str:
         f"- Decode: {args.decode} greedy tokens after {args.depth} tokens of context, batch 1; prefill: one prompt "
         f"of {' and '.join(map(str, args.prefill))} tokens; {args.rounds} rounds, one measurement of each "
         "configuration per round in a fresh random order: median [min, max] tokens/s",
+        "- MB: the GGUF file's size; autopolicy's arrays in memory (the tied embedding table is held twice, "
+        "as the embedding in float32 and as the head under its policy)",
+        "- autopolicy's uniform policies run each layer's default kernel; the tuned model runs the kernels "
+        "its tune chose (for a decode step at cache 256: the prefill figures are not what it was tuned for)",
         f"- Perplexity: {args.chunks} windows of {args.ctx} tokens of held-out text (Python's docs, the smollm2 "
         "task's test split), tokenized by llama.cpp, scored as `llama-perplexity` scores them (each window's "
         "second half) by both tools; the rise is over each tool's own float32",

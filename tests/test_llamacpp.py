@@ -16,7 +16,9 @@ from autopolicy import llamacpp
 from autopolicy.nn import generation
 
 pytest.importorskip("gguf", reason="the llamacpp tier needs gguf: pip install -e '.[llamacpp]'")
-TOOLS = llamacpp.find_tools()
+# The suite's AUTOPOLICY_CACHE is its own (conftest): the tools are found through $AUTOPOLICY_LLAMA_CPP
+# (the tier sets it to what the build printed) or in the user's default cache.
+TOOLS = llamacpp.find_tools() or llamacpp.find_tools(os.path.join(os.path.expanduser("~"), ".cache", "autopolicy"))
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     TOOLS is None, reason=f"llama.cpp's tools are not built: {llamacpp.BUILD_COMMAND} (the llamacpp tier)")]
 
@@ -55,8 +57,7 @@ def _llama_ppl(gguf, text_file) -> float:
 
 
 def _llama_text(gguf, prompt, tokens) -> str:
-    return TOOLS.run("llama-completion", "-m", gguf, "-p", prompt, "-n", tokens, "-no-cnv", "--temp", 0, "--top-k", 1,
-                     "--simple-io", "--no-warmup", "--no-display-prompt", "--ignore-eos", "-t", 2, "-s", 1)
+    return llamacpp.greedy_text(TOOLS, gguf, prompt, tokens, threads=2)
 
 
 def test_both_tools_score_the_float32_model_alike_on_identical_windows(work):
@@ -90,10 +91,12 @@ def test_a_mixed_tune_exports_with_its_types_and_scores_close_to_autopolicys(wor
     assert export.type_counts() == {"F32": 120, "Q8_0": 61, "Q4_0": 30} and not export.fallbacks
     assert export.written["token_embd.weight"] == "Q8_0" and export.written["blk.7.ffn_down.weight"] == "Q4_0"
     assert export.written["blk.7.attn_norm.weight"] == "F32"
-    # Bits as the tune chose them; the rounding is llama.cpp's (blocks of 32 for int8's channels).
+    # Bits as the tune chose them; the rounding is llama.cpp's, in blocks of 32 (finer than int8's
+    # channels and int4's blocks here): the export scores no worse than the tuned model, within 1%,
+    # and worse than float32.
     theirs = _llama_ppl(export.path, folder / "text.txt")
     ours = llamacpp.perplexity_like_llama(tuned, windows)
-    assert theirs == pytest.approx(ours, rel=0.02)
+    assert llamacpp.perplexity_like_llama(model, windows) < theirs <= 1.01 * ours
     assert os.path.getsize(export.path) == export.nbytes
     text = _llama_text(export.path, PROMPT, 8)
     assert len(text) > 8 and "Paris" in text
