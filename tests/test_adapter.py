@@ -160,6 +160,7 @@ def test_identical_nn_layers_of_different_blocks_are_timed_once(monkeypatch):
     assert latency.bandwidth is None  # 13 KB of weights stay cached between calls: no streaming floor
 
 
+@pytest.mark.slow
 def test_the_streaming_floor_applies_to_models_larger_than_the_last_level_cache(monkeypatch):
     from autopolicy import nn
     from autopolicy.search import hardware, profiling

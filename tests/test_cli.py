@@ -133,6 +133,7 @@ def test_bad_arguments_give_one_line_and_status_2(argv, text, capsys):
     assert text in lines[0]
 
 
+@pytest.mark.slow
 def test_no_traceback_from_the_installed_command():
     proc = subprocess.run([sys.executable, "-m", "autopolicy", "tune", "--max-drop", "banana"],
                           capture_output=True, text=True, timeout=120)

@@ -761,6 +761,7 @@ def test_grouped_calls_name_bad_operands():
 @needs_kernels
 @pytest.mark.skipif(jax.device_count() != 1, reason="grouped calls run on one device (the FFI kernels' rule)")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.slow
 def test_grouped_products_have_the_layers_gradients_and_lower_to_xla_off_a_cpu(mode):
     from autopolicy.numerics import grouped  # pylint: disable=import-outside-toplevel
 
@@ -844,6 +845,7 @@ def test_the_kernels_are_candidates_only_on_cpus_where_built():
     assert kernels.default_kernel("int8", "einsum", cpu) == "s8s8"  # chosen only by a measurement
 
 
+@pytest.mark.slow
 def test_switched_off_the_package_keeps_to_xla_with_one_notice():
     code = ("import logging, sys; logging.basicConfig(stream=sys.stdout, format='%(message)s')\n"
             "from autopolicy.numerics import cpu_kernels, kernels\n"

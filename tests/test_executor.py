@@ -202,6 +202,7 @@ def test_the_command_line_scores_on_worker_processes(tmp_path):
     assert summary["evaluations"]["on_workers"] == 4 and summary["evaluations"]["profile"] == 4
 
 
+@pytest.mark.slow
 def test_a_workload_from_an_experiment_file_pickles_its_functions_by_value(tmp_path):
     # The model's class and eval_fn both come from one experiment file loaded from a path: the
     # module travels by value (once), and the bytes load in a process that cannot import it.

@@ -438,6 +438,7 @@ def test_the_tuner_keys_a_nested_sample_input_of_unlike_shapes_by_its_leaves(sma
 
 
 @on_cpu_backend  # the kernel runs where the default backend is a CPU
+@pytest.mark.slow
 def test_a_decode_step_runs_the_cpu_attention_kernel_and_equals_xla(small, monkeypatch):
     """Where the CPU kernels are built, a float32 decode step's attention is one FFI call
     (cpu_kernels.decode_attention); AUTOPOLICY_XLA_ATTENTION=1 keeps XLA's ops. Same logits
@@ -476,6 +477,7 @@ def _with_ffi_kernels(model, policy_map):
 
 @on_cpu_backend
 @pytest.mark.parametrize("case", ["uniform int4", "mixed"])
+@pytest.mark.slow
 def test_projections_sharing_an_input_run_as_one_kernel_call_with_the_same_logits(small, monkeypatch, case):
     """q/k/v and gate/up on one FFI kernel with one quantized form are one grouped call per block
     (AUTOPOLICY_GROUPED_PROJECTIONS=0: one call each); the prefill's and a decode step's logits
@@ -508,6 +510,7 @@ def test_projections_sharing_an_input_run_as_one_kernel_call_with_the_same_logit
         np.testing.assert_array_equal(grouped, alone)
 
 
+@pytest.mark.slow
 def test_a_hook_sees_each_projection_called_on_its_own(small):
     """The search's probes and calibration watch layers through call hooks: with one active, the
     projections that would share a call are called one by one, each seen."""
@@ -546,6 +549,7 @@ def test_a_decode_step_is_tuned_as_back_to_back_steps_carrying_the_cache(small):
     assert carried and all(carried) and result.chosen.measured_latency_s > 0
 
 
+@pytest.mark.slow
 def test_a_step_carry_that_breaks_the_decode_steps_arguments_is_refused_before_measuring(small, monkeypatch):
     from autopolicy import search  # pylint: disable=import-outside-toplevel
     from autopolicy.search import profiling  # pylint: disable=import-outside-toplevel

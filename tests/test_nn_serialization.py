@@ -105,6 +105,7 @@ def test_weights_that_do_not_match_raise(tmp_path):
         nn.load(tmp_path / "a")
 
 
+@pytest.mark.slow
 def test_layers_made_while_building_keep_their_saved_policies(tmp_path):
     """A LlamaDecoder's output and down projections are made by build (their sizes come from the
     call): a map applied before building missed them, and a saved GPTQ one did not load."""

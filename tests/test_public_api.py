@@ -41,6 +41,7 @@ def test_every_public_name_exists(module_name):
         assert getattr(module, name) is not None, f"{module_name}.{name}"
 
 
+@pytest.mark.slow
 def test_core_import_is_light():
     code = (
         "import sys, autopolicy; "

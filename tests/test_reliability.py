@@ -582,6 +582,7 @@ HOLDER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holder_is_taken_over(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)

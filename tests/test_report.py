@@ -323,6 +323,7 @@ def test_a_quiet_run_without_decisions_says_float32_stays(tmp_path):
     assert "No configuration that met the budget challenged float32, so float32 stays." in md
 
 
+@pytest.mark.slow
 def test_an_old_run_directory_without_the_new_keys_still_renders(tmp_path):
     run_dir = write_run(tmp_path / "run", old=True)
     assert "source" not in pd.read_csv(os.path.join(run_dir, "frontier.csv")).columns
@@ -408,6 +409,7 @@ def test_to_markdown_aligns_numbers_escapes_pipes_and_dashes_missing_values():
     )
 
 
+@pytest.mark.slow
 def test_all_float32_run_with_unevaluated_uniforms_reports_into_the_run_directory(tmp_path):
     run_dir = write_run(tmp_path / "run", all_float32=True)
     paths = report.write_report(run_dir)  # out_dir defaults to run_dir
@@ -476,6 +478,7 @@ def test_profile_with_a_bad_chosen_value_is_refused(tmp_path):
         report.read_run(run_dir)
 
 
+@pytest.mark.slow
 def test_the_report_is_not_imported_by_autopolicy_and_never_imports_pyplot():
     code = ("import sys, autopolicy; core = 'autopolicy.report' in sys.modules; import autopolicy.report; "
             "print(core, 'matplotlib.pyplot' in sys.modules)")

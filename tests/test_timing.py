@@ -42,6 +42,7 @@ def test_off_a_cpu_each_iteration_runs_several_dependent_calls(monkeypatch):
     assert timer.runners["a"][1] % 8 == 0  # calls per timed call, by which each sample is divided
 
 
+@pytest.mark.slow
 def test_a_tune_with_a_gpus_timing_rules_unrolls_layers_but_not_models(monkeypatch, tmp_path):
     from autopolicy import search  # pylint: disable=import-outside-toplevel
 

@@ -77,6 +77,7 @@ def test_the_run_directory_holds_the_tuned_model_and_its_manifest(run):
     assert not [f for f in os.listdir(run_dir) if f.startswith(".tmp-")]
 
 
+@pytest.mark.slow
 def test_load_tuned_in_a_fresh_process_gives_the_tuned_outputs_exactly(run, tmp_path):
     run_dir, _, tuned = run
     outputs, printed = fresh_process_outputs(run_dir, tmp_path)

@@ -165,6 +165,7 @@ def test_a_second_run_into_a_new_directory_reuses_compilations_and_timings_and_s
     assert os.listdir(tmp_path / "run3" / "cache" / "jax")
 
 
+@pytest.mark.slow
 def test_sensitivity_compiles_each_candidate_ahead_and_scores_it_compiled(monkeypatch):
     """With an adapter that has no ``scoring_model`` (Keras, Flax), while one candidate is
     scored, the next one's model compiles in the compile pool: scoring (its calibration outputs
@@ -207,6 +208,7 @@ def test_sensitivity_compiles_each_candidate_ahead_and_scores_it_compiled(monkey
     assert len(ahead) == 4 and all(f.done() and f.exception() is None for f in ahead)
 
 
+@pytest.mark.slow
 def test_sensitivity_scores_nn_models_by_parts_and_a_repeated_layer_compiles_nothing(monkeypatch):
     """The nn adapter scores candidates compiled by parts: the candidate of ``c`` (the same
     layer as ``b`` but for its name) compiles nothing, and every score is the whole model's.
