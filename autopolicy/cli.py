@@ -423,6 +423,8 @@ def _export(args: argparse.Namespace) -> int:
     from autopolicy.search import result  # pylint: disable=import-outside-toplevel
 
     if args.model is not None:
+        if args.format != "json" or args.source is not None:
+            raise UsageError("--model copies the tuned model as it is: --format and --source go with --out")
         if not os.path.isdir(args.run_dir):
             raise UsageError(f"no run directory at {args.run_dir!r}")
         nbytes = _tuned.export_tuned(args.run_dir, args.model)

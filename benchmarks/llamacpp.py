@@ -272,12 +272,16 @@ def render(args, tools, decode, prefill, ppl, sizes, export, texts) -> str:
         lines.append(f"| {tool} | {key} | {sizes[(tool, key)] / 1e6:.1f} | {spread(values)} | "
                      + " | ".join(spread(prefill[(tool, key)][n]) for n in args.prefill)
                      + f" | {p:.3f} | {rise:+.2f}% |")
-    med = {c: statistics.median(v) for c, v in decode.items()}
-    lines += ["", "Decode ratios (medians):", ""]
-    ours = [c for c in med if c[0] == "autopolicy"]
-    theirs = [c for c in med if c[0] == "llama.cpp"]
+    lines += ["", "Decode ratios, paired within each round: median [min, max] over rounds:", ""]
+    ours = [c for c in decode if c[0] == "autopolicy"]
+    theirs = [c for c in decode if c[0] == "llama.cpp"]
+
+    def ratio(a, b):
+        per_round = [x / y for x, y in zip(decode[a], decode[b])]
+        return f"{statistics.median(per_round):.2f}x [{min(per_round):.2f}, {max(per_round):.2f}]"
+
     for a in ours:
-        lines.append(f"- autopolicy {a[1]}: " + ", ".join(f"{med[a] / med[b]:.2f}x llama.cpp {b[1]}" for b in theirs))
+        lines.append(f"- autopolicy {a[1]}: " + ", ".join(f"{ratio(a, b)} llama.cpp {b[1]}" for b in theirs))
     if export is not None:
         counts = ", ".join(f"{n} {k}" for k, n in export.type_counts().items())
         lines += ["", "## The tune exported as GGUF", "",

@@ -56,6 +56,7 @@ autopolicy_api_modules = [
     "autopolicy.train",
     "autopolicy.keras",
     "autopolicy.flax",
+    "autopolicy.llamacpp",
     "autopolicy.experiment",
     "autopolicy.report",
     "autopolicy.distributed",

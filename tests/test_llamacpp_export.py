@@ -106,6 +106,9 @@ def test_export_to_gguf_needs_a_source_and_llama_cpp(lm_run, tmp_path, capsys, m
     assert f"no GGUF file at {str(tmp_path / 'no.gguf')!r}" in capsys.readouterr().err
     assert cli.main(["export", lm_run, "--source", "x.gguf", "--out", out]) == 2
     assert "--source goes with --format gguf (got --format json)" in capsys.readouterr().err
+    assert cli.main(["export", lm_run, "--format", "gguf", "--model", str(tmp_path / "m")]) == 2
+    assert "--model copies the tuned model as it is: --format and --source go with --out" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
 
 
 def test_the_tools_missing_name_the_build_command(tmp_path, monkeypatch):

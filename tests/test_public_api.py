@@ -22,6 +22,7 @@ PUBLIC_MODULES = [
     "autopolicy.numerics.device",
     "autopolicy.distributed",  # RayExecutor needs the distributed extra only when made
     "autopolicy.search.executor",
+    "autopolicy.llamacpp",
 ]
 
 
