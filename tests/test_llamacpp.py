@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import sys
 
 import numpy as np
@@ -44,16 +43,13 @@ def work(tmp_path_factory, source):
     TOOLS.run("llama-quantize", "--allow-requantize", source, f32, "F32", 2)
     text = smollm2.text_splits()["heldout"][:20000].rstrip("\n")
     (folder / "text.txt").write_text(text, encoding="utf-8")
-    out = TOOLS.run("llama-tokenize", "-m", f32, "-f", folder / "text.txt", "--ids", "--no-escape",
-                    "--no-parse-special", "--log-disable")
-    ids = np.asarray([int(t) for t in re.findall(r"\[([0-9, ]*)\]", out)[-1].split(",")], np.int32)
+    ids = np.asarray(llamacpp.token_ids(TOOLS, f32, folder / "text.txt"), np.int32)
     model, _, tok = smollm2.load(source)
     return folder, f32, ids[: CTX * CHUNKS].reshape(CHUNKS, CTX), model, tok
 
 
 def _llama_ppl(gguf, text_file) -> float:
-    out = TOOLS.run("llama-perplexity", "-m", gguf, "-f", text_file, "-c", CTX, "--chunks", CHUNKS, "-t", 2)
-    return float(re.search(r"Final estimate: PPL = ([0-9.]+)", out).group(1))
+    return llamacpp.llama_perplexity(TOOLS, gguf, text_file, CTX, CHUNKS, threads=2)
 
 
 def _llama_text(gguf, prompt, tokens) -> str:

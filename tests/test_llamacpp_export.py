@@ -13,7 +13,6 @@ import pytest
 
 import autopolicy as ap
 from autopolicy import _tuned, cli, llamacpp, nn
-from autopolicy.nn import generation
 
 TINY = nn.LlamaConfig(vocab_size=40, dim=32, blocks=2, heads=4, kv_heads=2, mlp_dim=64, rope_base=100.0)
 MAP = {"tiny/block_0/attention/query": "gptq/4/32_from_float32", "tiny/block_0/mlp/up": "int8_from_float32",
@@ -46,8 +45,13 @@ def test_the_tensor_type_file_anchors_each_name_and_leaves_the_tables_to_their_o
     lines = llamacpp.tensor_type_lines(types).splitlines()
     assert len(lines) == 14 and r"^blk\.0\.attn_q\.weight$=q4_1" in lines
     assert not any("token_embd" in line for line in lines)
-    # llama.cpp matches each pattern anywhere in a name: anchored, blk.1 never matches blk.10.
-    assert re.search(r"^blk\.1\.ffn_up\.weight$", "blk.10.ffn_up.weight") is None
+    # llama.cpp matches each pattern anywhere in a name (regex_search): anchored, each names one tensor
+    # (blk.1 is not blk.10 of a deeper model), and the tables take their own flags.
+    names = [*types, *(n.replace("blk.1.", "blk.10.") for n in types if n.startswith("blk.1."))]
+    for line in lines:
+        pattern, _ = line.split("=")
+        assert len([n for n in names if re.search(pattern, n)]) == 1, pattern
+    assert llamacpp.quantize_flags(types) == ["--token-embedding-type", "q8_0"]
 
 
 @pytest.mark.parametrize("policy, kind", [("float16", "F16"), ("float32", "F32"), ("gptq/8/-1_from_float32", "Q8_0"),
@@ -98,7 +102,7 @@ def test_export_writes_the_tensor_type_file_and_says_how_to_use_it(lm_run, tmp_p
            "--token-embedding-type q8_0 SOURCE.gguf OUT.gguf Q8_0" in said
 
 
-def test_export_to_gguf_needs_a_source_and_llama_cpp(lm_run, tmp_path, capsys, monkeypatch):
+def test_export_to_gguf_needs_a_source_and_takes_its_options_alone(lm_run, tmp_path, capsys):
     out = str(tmp_path / "tuned.gguf")
     assert cli.main(["export", lm_run, "--format", "gguf", "--out", out]) == 2
     assert "records no source GGUF file: name it with --source FILE.gguf" in capsys.readouterr().err

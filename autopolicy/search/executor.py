@@ -89,17 +89,23 @@ class Workload:
     def dumps(self) -> bytes:
         """The workload as bytes (cloudpickle: closures and the functions of an experiment file
         travel by value)."""
-        import cloudpickle  # pylint: disable=import-outside-toplevel
+        return dumps_by_value(self, _modules_of(self.eval_fn, self.model, self.adapter_factory))
 
-        modules = {id(m): m for m in _modules_of(self.eval_fn, self.model, self.adapter_factory)}.values()
-        by_value = [m for m in modules if not _importable(m)]  # each once: cloudpickle counts no registrations
+
+def dumps_by_value(obj: Any, modules: Iterable[Any]) -> bytes:
+    """``cloudpickle.dumps(obj)`` with the classes and functions of those ``modules`` that another
+    process cannot import by name (an experiment file loaded from a path) stored by value."""
+    import cloudpickle  # pylint: disable=import-outside-toplevel
+
+    unique = {id(m): m for m in modules}.values()
+    by_value = [m for m in unique if not _importable(m)]  # each once: cloudpickle counts no registrations
+    for module in by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(obj)
+    finally:
         for module in by_value:
-            cloudpickle.register_pickle_by_value(module)
-        try:
-            return cloudpickle.dumps(self)
-        finally:
-            for module in by_value:
-                cloudpickle.unregister_pickle_by_value(module)
+            cloudpickle.unregister_pickle_by_value(module)
 
 
 def _modules_of(*objects: Any) -> Iterator[Any]:
