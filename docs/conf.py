@@ -53,6 +53,7 @@ autopolicy_api_modules = [
     "autopolicy.nn",
     "autopolicy.search",
     "autopolicy.numerics",
+    "autopolicy.numerics.pallas_weight_only",
     "autopolicy.train",
     "autopolicy.keras",
     "autopolicy.flax",

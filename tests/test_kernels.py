@@ -205,7 +205,7 @@ def test_an_unknown_kernel_name_is_refused_with_the_choices():
         kernels.kernel_spec("int8", "vnni")
     with pytest.raises(ValueError, match=r"'bfloat16' has no choice of kernels; modes with kernels: \('int8', 'int4', 'float8', 'gptq', 'awq'\)"):
         kernels.kernel_spec("bfloat16", "s8s8")
-    with pytest.raises(ValueError, match=r"Invalid gptq kernel\. Expected one of \('xla', 'cpu_ffi', 'cpu_ffi_avx2'\)\. Received: kernel='s8s8'"):
+    with pytest.raises(ValueError, match=r"Invalid gptq kernel\. Expected one of \('xla', 'cpu_ffi', 'cpu_ffi_avx2', 'pallas'\)\. Received: kernel='s8s8'"):
         kernels.kernel_spec("gptq", "s8s8")
     with pytest.raises(ValueError, match=r"Invalid int4 kernel\. Expected one of \('xla', 'cpu_ffi', 'cpu_ffi_avx2'\)\. Received: kernel='s8s8'"):
         kernels.kernel_spec("int4", "s8s8")

@@ -20,6 +20,7 @@ PUBLIC_MODULES = [
     "autopolicy.keras",  # needs the keras extra (installed by the dev extra)
     "autopolicy.numerics.kernels",
     "autopolicy.numerics.device",
+    "autopolicy.numerics.pallas_weight_only",
     "autopolicy.distributed",  # RayExecutor needs the distributed extra only when made
     "autopolicy.search.executor",
     "autopolicy.llamacpp",

@@ -237,7 +237,7 @@ def test_other_einsums_and_kernel_names_are_handled():
         ref = weight_only.einsum_kernel("km,kn->mn", x.T, weights, (8, -1), jnp.float32, kernel="xla")
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     with pytest.raises(ValueError, match=r"Invalid GPTQ/AWQ kernel\. Expected one of \('xla', 'cpu_ffi', "
-                                         r"'cpu_ffi_avx2'\)\. Received: kernel='s8s8'"):
+                                         r"'cpu_ffi_avx2', 'pallas'\)\. Received: kernel='s8s8'"):
         weight_only.einsum_kernel("mk,kn->mn", x, weights, (8, -1), jnp.float32, kernel="s8s8")
 
 
@@ -265,14 +265,15 @@ def test_the_kernel_is_a_candidate_only_on_cpus_where_built():
     vnni = Device("cpu", cpu_features=("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"))
     built = cpu_weight_only.AVAILABLE and jax.device_count() == 1
     for mode in ("gptq", "awq"):
-        assert kernels.candidate_kernels(mode, "einsum", gpu) == ("xla",)
+        assert kernels.candidate_kernels(mode, "einsum", gpu) == ("xla", "pallas")  # pallas: a GPU kernel
         expected = ("xla", "cpu_ffi") if built else ("xla",)
         assert kernels.candidate_kernels(mode, "einsum", cpu) == expected  # AVX2 is that CPU's best path
         # Where the best path is an AVX-512 one, its AVX2 path is a tactic of its own.
         avx2 = ("cpu_ffi_avx2",) if built and "avx2" in PATHS else ()
         assert kernels.candidate_kernels(mode, "einsum", vnni) == expected + avx2
         assert kernels.default_kernel(mode, "einsum", cpu) == "xla"  # chosen only by a measurement
-    with pytest.raises(ValueError, match=r"Invalid GPTQ/AWQ kernel\. Expected one of \('xla', 'cpu_ffi', 'cpu_ffi_avx2'\)"):
+    with pytest.raises(ValueError, match=r"Invalid GPTQ/AWQ kernel\. Expected one of \('xla', 'cpu_ffi', 'cpu_ffi_avx2', "
+                                         r"'pallas'\)"):
         cpu_weight_only.kernel_available("avx2", cpu)
 
 

@@ -43,9 +43,10 @@ __all__ = ["AVAILABLE", "WEIGHT_ONLY_KERNELS", "unavailable_reason", "variant", 
            "weight_only_matmul", "einsum_kernel"]
 
 #: The kernels of the GPTQ and AWQ modes: ``"xla"`` (dequantize, then XLA's float product),
-#: ``"cpu_ffi"`` (this module, on the path in use) and ``"cpu_ffi_avx2"`` (this module on the AVX2
-#: path: :data:`autopolicy.numerics.cpu_kernels.FFI_KERNELS`).
-WEIGHT_ONLY_KERNELS = ("xla", *cpu_kernels.FFI_KERNELS)
+#: ``"cpu_ffi"`` (this module, on the path in use), ``"cpu_ffi_avx2"`` (this module on the AVX2
+#: path: :data:`autopolicy.numerics.cpu_kernels.FFI_KERNELS`) and ``"pallas"`` (the Pallas kernel
+#: for GPUs, :mod:`autopolicy.numerics.pallas_weight_only`).
+WEIGHT_ONLY_KERNELS = ("xla", *cpu_kernels.FFI_KERNELS, "pallas")
 _TARGET = "autopolicy_weight_only_matmul"
 _SYMBOL = "AutopolicyWeightOnlyMatmul"
 
@@ -91,9 +92,13 @@ def kernel_available(kernel: str, device: Device) -> bool:
     False
 
     ``"cpu_ffi_avx2"`` only where the CPU's best path is another (see
-    :func:`autopolicy.numerics.cpu_kernels.kernel_distinct_on`).
+    :func:`autopolicy.numerics.cpu_kernels.kernel_distinct_on`); ``"pallas"`` only on GPUs.
     """
     _check_kernel(kernel)
+    if kernel == "pallas":
+        from autopolicy.numerics import pallas_weight_only  # pylint: disable=import-outside-toplevel
+
+        return pallas_weight_only.kernel_available(device)
     return kernel == "xla" or (AVAILABLE and _int8_accumulate.ffi_available(device)
                                and cpu_kernels.kernel_distinct_on(kernel, device.cpu_features))
 

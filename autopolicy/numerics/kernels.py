@@ -14,7 +14,9 @@ the layer's real shape on the target (like TensorRT's tactics); without a measur
   a product in the compute dtype) elsewhere.
 - gptq, awq: ``"xla"`` (dequantize, then a float product); ``"cpu_ffi"``, autopolicy's CPU
   kernel (:mod:`autopolicy.numerics.cpu_weight_only`), or ``"cpu_ffi_avx2"``, the same on its
-  AVX2 path, only where a measurement chose it.
+  AVX2 path, only where a measurement chose it; on GPUs, ``"pallas"``, a Pallas (Triton) kernel
+  that dequantizes tile by tile in registers (:mod:`autopolicy.numerics.pallas_weight_only`),
+  likewise only where a measurement chose it.
 
 Products of 16-bit float policies (``bfloat16``, ``float16``, ``mixed_*``) are listed under the
 pseudo-mode ``"float"`` (:mod:`autopolicy.numerics.float_dot`): ``"xla"``, XLA's dot in the compute
@@ -74,6 +76,7 @@ class KernelSpec:
       exact: Whether its outputs equal the mode's other exact kernels bit for bit.
       summary: One line on what it does (and, when not exact, how close it is).
       needs_library: Whether it needs autopolicy's compiled CPU kernels.
+      needs_gpu: Whether it runs only where JAX's default device is a GPU.
     """
 
     mode: str
@@ -85,11 +88,16 @@ class KernelSpec:
     #: Whether it runs autopolicy's own CPU library (:mod:`autopolicy.numerics.cpu_kernels`),
     #: which an install without a compiler lacks.
     needs_library: bool = False
+    #: Whether it runs only on GPUs (a Pallas kernel: elsewhere only its interpreter, for tests).
+    needs_gpu: bool = False
 
     @property
     def runnable(self) -> bool:
         """Whether this process can run it at all (its library, if it needs one, is loaded, and
-        runs the SIMD path the kernel names on this CPU)."""
+        runs the SIMD path the kernel names on this CPU; a GPU, if it needs one, is the default
+        device)."""
+        if self.needs_gpu and current_device().platform != "gpu":
+            return False
         if not self.needs_library:
             return True
         if not cpu_kernels.AVAILABLE:
@@ -197,6 +205,17 @@ def _weight_only_specs(mode: str) -> tuple[KernelSpec, ...]:
         _ffi_spec(mode, "cpu_ffi_avx2", weight_only.einsum_kernel, cpu_weight_only.kernel_available, False,
                   f"{_AVX2_PATH} (on a Zen 4, whose AVX-512 runs as two 256-bit halves, it decoded SmolLM2 "
                   "under gptq/8 1.6x faster); as 'cpu_ffi', within float32 rounding of 'xla'"),
+        KernelSpec(
+            mode=mode,
+            name="pallas",
+            ops=(("einsum", _bind(weight_only.einsum_kernel, "pallas")),),
+            available=functools.partial(cpu_weight_only.kernel_available, "pallas"),
+            exact=False,
+            summary="a Pallas (Triton) kernel for GPUs: the stored bytes read once in tiles, dequantized in "
+                    "registers (the weights of 'xla' bit for bit), any g_idx; float32 accumulation, within "
+                    "1e-5 x the norm of the exact product (float32 compute, IEEE products), 1e-2 x (bfloat16)",
+            needs_gpu=True,
+        ),
     )
 
 
@@ -279,7 +298,7 @@ def kernel_specs(mode: str) -> tuple[KernelSpec, ...]:
     >>> [spec.name for spec in kernel_specs("int8")]
     ['s8s8', 'u8s8', 'cpu_ffi', 'cpu_ffi_avx2']
     >>> [spec.name for spec in kernel_specs("gptq")]
-    ['xla', 'cpu_ffi', 'cpu_ffi_avx2']
+    ['xla', 'cpu_ffi', 'cpu_ffi_avx2', 'pallas']
     >>> kernel_specs("float16")
     ()
     """

@@ -220,12 +220,17 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
                   kernel: str | None = None) -> jax.Array:
     """The modes' einsum op; ``kernel`` names the kernel: ``"xla"`` (or None), the dequantized
     kernel in the compute dtype, then a float product; ``"cpu_ffi"``, autopolicy's CPU kernel
-    (:mod:`autopolicy.numerics.cpu_weight_only`), ``"cpu_ffi_avx2"`` the same on its AVX2 path.
+    (:mod:`autopolicy.numerics.cpu_weight_only`), ``"cpu_ffi_avx2"`` the same on its AVX2 path;
+    ``"pallas"``, the Pallas kernel for GPUs (:mod:`autopolicy.numerics.pallas_weight_only`).
 
     Raises:
       UncalibratedError: if the weights were never calibrated.
       ValueError: for an unknown kernel.
     """
+    if kernel == "pallas":
+        from autopolicy.numerics import pallas_weight_only  # it builds on this module
+
+        return pallas_weight_only.einsum_kernel(equation, x, weights, layout, compute_dtype, kernel)
     if kernel in cpu_kernels.FFI_KERNELS:
         from autopolicy.numerics import cpu_weight_only  # it builds on this module
 
@@ -236,7 +241,7 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
                 lambda x_, w_: einsum_kernel(equation, x_, w_, layout, compute_dtype), x, weights)
         return cpu_weight_only.einsum_kernel(equation, x, weights, layout, compute_dtype, kernel)
     if kernel not in (None, "xla"):
-        raise ValueError(f"Invalid GPTQ/AWQ kernel. Expected one of {('xla', *cpu_kernels.FFI_KERNELS)}. "
+        raise ValueError(f"Invalid GPTQ/AWQ kernel. Expected one of {('xla', *cpu_kernels.FFI_KERNELS, 'pallas')}. "
                          f"Received: kernel={kernel!r}")
     if not is_calibrated(weights):
         raise UncalibratedError("A GPTQ/AWQ layer runs only once calibrated: call "
