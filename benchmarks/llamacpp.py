@@ -79,6 +79,7 @@ class AutopolicyRunner:
         self.model, self.depth, self.decode, self.prefills = model, depth, decode, prefills
         self.context = jnp.asarray(ids[None, :depth], jnp.int32)
         self.prompts = {p: jnp.asarray(ids[None, :p], jnp.int32) for p in prefills}
+        self.last = {p: jnp.asarray([p - 1], jnp.int32) for p in prefills}
         self.decode_tps(), self.prefill_tps()  # compile and warm up
 
     def decode_tps(self) -> float:
@@ -97,7 +98,8 @@ class AutopolicyRunner:
             cache = self.model.init_cache(1, p)
             jax.block_until_ready(cache)
             t0 = time.perf_counter()
-            logits, cache = generation.prefill(self.model, cache, prompt)
+            # The last token's logits alone, as llama-bench's prompt processing computes.
+            logits, cache = generation.prefill(self.model, cache, prompt, self.last[p])
             jax.block_until_ready(logits)
             out[p] = p / (time.perf_counter() - t0)
         return out

@@ -19,10 +19,11 @@ decode step at cache length CACHE.
 
 What ``autopolicy.search.tune`` lacks for this task (issue 24), worked around here or not:
 
-- Objectives: only ``model(*sample_input)`` is timed. A decode step fits (its arguments are the
-  sample input, and ``step_carry=next_decode_input`` makes the timings run steps back to back on
-  the cache each returns, as decoding does); a prefill of P tokens fits the same way; a whole generation (P + G tokens: a
-  prefill then G decode steps) and tokens/s do not. The attention over the cache is inside
+- Objectives: by default one decode step (its arguments are the sample input, and
+  ``step_carry=next_decode_input`` makes the timings run steps back to back on the cache each
+  returns, as decoding does). ``--workload prefill=P,decode=G`` (``workload_fn``) times a whole
+  generation instead: a prefill of P tokens once and a decode step G times, each layer and each
+  configuration in both phases, minimising the total. The attention over the cache is inside
   ``LlamaAttention``, not a tunable layer: it appears only in end-to-end timings.
 - Memory: ``memory_budget`` bounds the summed stored bytes of the tuned layers (solver and
   verification), but the tied table counts twice (the embedding and the head are separate
@@ -172,4 +173,6 @@ def build(cache_dir) -> Experiment:
         loss_inputs=[(estimate[i : i + BATCH],) for i in range(0, ESTIMATE_WINDOWS, BATCH)],
         tokenizer=tok,
         source={"gguf": str(path), "name": "smollm2", "cache_length": CACHE},
+        # `autopolicy tune smollm2 --workload prefill=512,decode=128`: a prefill then decode steps.
+        workload_fn=lambda requests: generation.workload_phases(model, requests),
     )

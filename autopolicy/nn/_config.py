@@ -6,6 +6,7 @@ with tags; decoding only ever builds registered classes, policies and regularize
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 from autopolicy import policies
 from autopolicy.nn.regularizers import L1L2
 
-__all__ = ["encode_call", "decode_call", "register", "registered", "Unserializable"]
+__all__ = ["encode_call", "decode_call", "register", "register_data", "registered", "Unserializable"]
 
 _REGISTRY: dict[str, type] = {}
+_DATA: dict[str, type] = {}  # frozen dataclasses a constructor may take (LlamaConfig)
 
 
 class Unserializable(ValueError):
@@ -25,6 +27,15 @@ class Unserializable(ValueError):
 def register(cls: type) -> type:
     """Makes a Module subclass loadable by name (built-in layers are registered already)."""
     _REGISTRY[cls.__qualname__] = cls
+    return cls
+
+
+def register_data(cls: type) -> type:
+    """Makes a dataclass of plain fields (``nn.LlamaConfig``) a constructor argument that saves
+    and loads: encoded as its class name and fields, rebuilt only if registered."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"register_data takes a dataclass. Received: {cls!r}")
+    _DATA[cls.__qualname__] = cls
     return cls
 
 
@@ -49,6 +60,9 @@ def _encode(value: Any) -> Any:
         return {"__policy__": policies.serialize(value)}
     if isinstance(value, L1L2):
         return {"__regularizer__": {"l1": value.l1, "l2": value.l2}}
+    if dataclasses.is_dataclass(value) and _DATA.get(type(value).__qualname__) is type(value):
+        return {"__data__": {"class": type(value).__qualname__,
+                             "fields": {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}}
     if isinstance(value, Module):
         config = value.__dict__.get("_config")
         if config is None:
@@ -89,6 +103,11 @@ def _decode(value: Any, classes: dict[str, type]) -> Any:
         return L1L2(**body)
     if tag == "__module__":
         return decode_call(body, classes)
+    if tag == "__data__":
+        cls = _DATA.get(body.get("class"))
+        if cls is None:
+            raise ValueError(f"Unknown data class {body.get('class')!r} in a model config (registered: {sorted(_DATA)})")
+        return cls(**{k: _decode(v, classes) for k, v in body.get("fields", {}).items()})
     raise ValueError(f"Unknown tag {tag!r} in a model config")
 
 

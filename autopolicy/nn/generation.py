@@ -19,13 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["greedy_generate", "timed_generate", "Generation", "check_generation", "prefill", "decode_step", "decode_steps", "perplexity", "token_nll", "token_windows"]
+__all__ = ["greedy_generate", "timed_generate", "Generation", "check_generation", "prefill", "decode_step", "decode_steps",
+           "perplexity", "token_nll", "token_windows", "workload_phases", "next_step_input"]
 
 
 @jax.jit
-def prefill(model: Any, cache: Any, ids: jax.Array) -> tuple[jax.Array, Any]:
-    """``(logits, cache)`` after writing ``ids`` (``(batch, time)``) at positions ``0 .. time-1``."""
-    return model(ids, start=jnp.zeros((), jnp.int32), cache=cache)
+def prefill(model: Any, cache: Any, ids: jax.Array, at: Any = None) -> tuple[jax.Array, Any]:
+    """``(logits, cache)`` after writing ``ids`` (``(batch, time)``) at positions ``0 .. time-1``:
+    the logits of every position, or with ``at`` (an int array ``(n,)`` of time indices, the
+    model's ``logits_at``) of those alone, ``(batch, n, vocab)``."""
+    if at is None:
+        return model(ids, start=jnp.zeros((), jnp.int32), cache=cache)
+    return model(ids, start=jnp.zeros((), jnp.int32), cache=cache, logits_at=at)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -179,8 +184,10 @@ def timed_generate(model: Any, prompt: Sequence[int], steps: int, max_length: in
     ids = np.zeros((1, padded), np.int32)
     ids[0, : len(prompt)] = prompt
     start = time.perf_counter()
-    logits, cache = prefill(model, model.init_cache(1, max_length), jnp.asarray(ids))
-    token = jnp.argmax(logits[:, len(prompt) - 1], axis=-1).astype(jnp.int32)
+    # Only the last prompt token's logits: a traced index, so one compiled prefill per padded size.
+    logits, cache = prefill(model, model.init_cache(1, max_length), jnp.asarray(ids),
+                            jnp.asarray([len(prompt) - 1], jnp.int32))
+    token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
     jax.block_until_ready((token, cache))
     middle = time.perf_counter()
     leaves, treedef = jax.tree_util.tree_flatten(model)
@@ -249,3 +256,68 @@ def perplexity(model: Any, windows: Any, batch: int = 4) -> float:
     for i in range(0, len(windows), batch):
         total += float(_nll_sum(model, jnp.asarray(windows[i : i + batch], jnp.int32)))
     return float(np.exp(total / (windows.shape[0] * (windows.shape[1] - 1))))
+
+
+def next_step_input(args: tuple, outputs: tuple) -> tuple:
+    """A decode step's next arguments when it is timed back to back (``tune``'s ``step_carry``):
+    the same token and position, and the cache the step returned, updated in place as a decoding
+    loop does."""
+    return (*args[:2], outputs[1], *args[3:])
+
+
+def workload_phases(model: Any, requests: Sequence[Any], batch: int = 1, seed: int = 0) -> list:
+    """The phases of generation requests for ``tune(..., workload=...)``: per request, a prefill
+    of its prompt (``prefill`` tokens from an empty cache, the last token's logits alone), once,
+    then one decode step (at the last position of a cache of ``prefill + decode`` positions, the
+    attention reading all of it), ``decode`` times; phases the requests share are merged, their
+    weights added.
+
+    Args:
+      model: A built causal language model (see the module docstring).
+      requests: :class:`autopolicy.search.Request` objects (``parse_requests("prefill=512,decode=128")``).
+      batch: Sequences per call (rows of the ids).
+      seed: Seeds the prompt's token ids (the cost does not depend on them).
+
+    Raises:
+      ValueError: for no requests, a bad ``batch``, or a request longer than the model's
+        ``max_length`` (when its config states one).
+    """
+    from autopolicy.search.workload import Phase, Request  # pylint: disable=import-outside-toplevel
+
+    requests = list(requests)
+    if not requests or not all(isinstance(r, Request) for r in requests):
+        raise ValueError(f"requests must be autopolicy.search.Request objects (at least one). Received: {requests!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1. Received: batch={batch!r}")
+    config = getattr(model, "config", None)
+    limit, vocab = getattr(config, "max_length", None), getattr(config, "vocab_size", 2)
+    rng = np.random.default_rng(seed)
+    found: dict[tuple, list] = {}  # (kind, tokens, cache) -> [weight, args, carry]
+    for r in requests:
+        length = r.prefill + r.decode
+        if limit is not None and length > limit:
+            raise ValueError(f"A request of prefill={r.prefill} + decode={r.decode} = {length} tokens exceeds the "
+                             f"model's max_length={limit}.")
+        k = ("prefill", r.prefill, length)
+        if k not in found:
+            ids = rng.integers(1, max(vocab, 2), (batch, r.prefill)).astype(np.int32)
+            found[k] = [0.0, (ids, np.asarray(0, np.int32), model.init_cache(batch, length),
+                              np.asarray([r.prefill - 1], np.int32)), None]
+        found[k][0] += r.weight
+        if r.decode:
+            k = ("decode", 1, length)
+            if k not in found:
+                token = np.full((batch, 1), 1, np.int32)
+                found[k] = [0.0, (token, np.asarray(length - 1, np.int32), model.init_cache(batch, length)),
+                            next_step_input]
+            found[k][0] += r.weight * r.decode
+    caches = {}
+    for kind, tokens, length in found:
+        caches.setdefault((kind, tokens), set()).add(length)
+    phases = []
+    for (kind, tokens, length), (weight, args, carry) in found.items():
+        name = f"prefill {tokens}" if kind == "prefill" else "decode"
+        if kind == "decode" or len(caches[(kind, tokens)]) > 1:
+            name += f" at {length}"
+        phases.append(Phase(name, args, weight, carry))
+    return phases

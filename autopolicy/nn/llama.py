@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from autopolicy.nn import _config
 from autopolicy.nn._grouping import call_on_shared_input
 from autopolicy.nn._module import Module
 from autopolicy.nn.activations import accumulation_dtype
@@ -28,6 +29,7 @@ from autopolicy.nn.normalization import RMSNormalization
 __all__ = ["LlamaConfig", "LlamaAttention", "LlamaMLP", "LlamaBlock", "LlamaDecoder", "rotary"]
 
 
+@_config.register_data
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """The shape of a llama-family decoder.
@@ -330,10 +332,23 @@ class LlamaDecoder(Module):
         """The ``max_length`` of a cache made by :meth:`init_cache` (positions it holds)."""
         return int(cache[0][1].shape[2])
 
-    def call(self, ids: jax.Array, start: Any = None, cache: Any = None) -> Any:
+    def call(self, ids: jax.Array, start: Any = None, cache: Any = None, logits_at: Any = None) -> Any:
+        """Logits ``(batch, time, vocab)`` of ``ids`` ``(batch, time)``; with ``cache``, ``(logits,
+        cache)`` after writing the ids at positions ``start ..`` (see :meth:`init_cache`).
+
+        ``logits_at``: an int array ``(n,)`` of time indices into ``ids``: only those positions
+        go through the final norm and the head (logits ``(batch, n, vocab)``), as a prefill needs
+        only the last prompt token's (the head is 49152 x 576 on SmolLM2: over a 512-token
+        prompt it is a fifth of the prefill's products). None: every position.
+        """
         ids = jnp.asarray(ids)
         if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{self.path!r} takes (batch, time) integer ids. Received {ids.dtype} {ids.shape}")
+        if logits_at is not None:
+            logits_at = jnp.asarray(logits_at)
+            if logits_at.ndim != 1 or not jnp.issubdtype(logits_at.dtype, jnp.integer):
+                raise ValueError(f"{self.path!r}: logits_at must be a 1-D integer array of time indices. "
+                                 f"Received {logits_at.dtype} {logits_at.shape}")
         if cache is not None and len(cache) != len(self.blocks):
             raise ValueError(f"{self.path!r}: the cache must have one entry per block ({len(self.blocks)}). "
                              f"Received {len(cache)}")
@@ -346,5 +361,7 @@ class LlamaDecoder(Module):
                 x, (k, v) = block(x, start=start, cache=cache[i])
                 x = self.cast(x)
                 new_cache.append((k.astype(cache[i][0].dtype), v.astype(cache[i][1].dtype)))
+        if logits_at is not None:
+            x = jnp.take(x, logits_at, axis=1)
         logits = self.head(self.final_norm(x)).astype(jnp.float32)
         return logits if cache is None else (logits, tuple(new_cache))

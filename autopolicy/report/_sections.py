@@ -206,6 +206,7 @@ def _tables(run: dict[str, Any]) -> list[Block]:
                   "1 is faster than float32. A metric of — was never evaluated: the configuration was slower "
                   "than a verified map."),
         Table(tables.overview_table(run)),
+        *_workload(run),
         *_evidence.latency_model(run),
         Heading("Per-layer measurements"),
         Paragraph(f"Latency in ms (median) under each policy; cost: the metric "
@@ -214,6 +215,19 @@ def _tables(run: dict[str, Any]) -> list[Block]:
                   "the kernel the chosen policy runs, where its mode has several."),
         Table(tables.layer_table(run)),
     ]
+
+
+def _workload(run: dict[str, Any]) -> list[Block]:
+    """A workload's phases, configuration by configuration (nothing for a run timed on one call)."""
+    frame = tables.workload_table(run)
+    if frame is None:
+        return []
+    weights = "; ".join(f"{w.get('phase')}: {_num(w.get('weight'), 'g')} call(s)" for w in run["summary"]["workload"])
+    return [Heading("Workload phases"),
+            Paragraph(f"The objective is a workload, per unit of work {weights}. Each phase: the median ms of one "
+                      "call end to end in the paired rounds, and float32's over it; total: the median of the "
+                      "rounds' weighted sums, which every decision compared."),
+            Table(frame)]
 
 
 def _figures(figures: Mapping[str, str]) -> list[Block]:

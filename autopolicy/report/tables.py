@@ -15,7 +15,7 @@ from autopolicy.report._cells import MISSING, format_cell, is_numeric_column
 from autopolicy.search._defaults import REFERENCE as FLOAT32
 
 __all__ = ["policy_order", "layer_order", "pivot", "layer_table", "entries", "speedup_text", "overview_table",
-           "latency_model_table", "latency_scales_table", "policy_map_table", "to_markdown", "FLOAT32",
+           "latency_model_table", "latency_scales_table", "policy_map_table", "to_markdown", "FLOAT32", "workload_table",
            "OVERVIEW_COLUMNS", "LATENCY_MODEL_COLUMNS"]
 
 _PROFILED = ("measured", "reference")  # statuses whose accuracy cost was measured
@@ -201,6 +201,35 @@ def overview_table(run: dict[str, Any]) -> pd.DataFrame:
     if summary.get("budget", {}).get("higher_is_better", True) is False:
         frame = frame.rename(columns={"drop": "rise"})  # the worsening of a lower-is-better metric
     return frame
+
+
+def workload_table(run: dict[str, Any]) -> pd.DataFrame | None:
+    """A workload's phases for every configuration timed end to end: each phase's median ms per
+    call, the weighted total per unit of work (the measured latency the decisions used), and each
+    phase's speed-up over float32's (ratio of medians). None for a run timed on one call.
+
+    The columns: ``configuration``, ``chosen``, ``<phase> (ms)`` for each phase, ``<phase> vs
+    float32`` for each phase, ``total (ms)``.
+    """
+    summary = run["summary"]
+    workload = summary.get("workload")
+    if not isinstance(workload, list) or not workload:
+        return None
+    names = [str(w.get("phase")) for w in workload]
+    reference = (summary.get("float32") or {}).get("phases") or {}
+    chosen = summary["chosen"].get("name", "")
+    rows = []
+    for label, entry in entries(run):
+        own = entry.get("phases") or {}
+        row: dict[str, Any] = {"configuration": label, "chosen": "✓" if label == chosen else ""}
+        for n in names:
+            row[f"{n} (ms)"] = _ms(own.get(n))
+        for n in names:
+            row[f"{n} vs float32"] = (None if not own.get(n) or not reference.get(n)
+                                      else round(reference[n] / own[n], 2))
+        row["total (ms)"] = _ms(entry.get("measured_latency_s"))
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def _error_pct(predicted: float | None, measured: float | None) -> float | None:

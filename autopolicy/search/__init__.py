@@ -20,9 +20,13 @@ from autopolicy.search.phases import (
 from autopolicy.search.profiling import profile
 from autopolicy.search.result import TuneResult, load_kernels, load_run
 from autopolicy.search.tuner import tune
+from autopolicy.search.workload import Phase, Request, parse_requests
 
 __all__ = [
     "tune",
+    "Phase",
+    "Request",
+    "parse_requests",
     "profile",
     "TuneResult",
     "load_run",

@@ -124,6 +124,8 @@ def _entry(e: Configuration, budget: Budget) -> dict[str, Any]:
         "rounds": e.rounds,
         "nbytes": e.nbytes,
         "excluded": e.excluded,
+        # A workload's phases: median seconds per call of each (the total weighs them).
+        **({"phases": dict(e.phase_latency_s)} if e.phase_latency_s else {}),
     }
 
 
@@ -197,6 +199,8 @@ def summary(result: Any) -> dict[str, Any]:
     }
     if result.test is not None:
         out["test"] = dict(result.test)
+    if getattr(result, "workload", None):
+        out["workload"] = [dict(w) for w in result.workload]
     return out
 
 

@@ -96,7 +96,8 @@ class EndToEnd:
         same = set(keys) & set().union(*(r.keys() for r in earlier_rounds)) if earlier_rounds else set()
         todo = list(configs)
         if self.key_of(configs[0]) in same:  # the reference's rounds pair the kept ones
-            self.rounds += [{k: v for k, v in r.items() if k in same} for r in earlier_rounds]
+            # (A workload's rounds also hold each phase's time as "<key>@<phase>".)
+            self.rounds += [{k: v for k, v in r.items() if k.split("@", 1)[0] in same} for r in earlier_rounds]
             todo = [c for c in configs if self.key_of(c) not in same]
         if todo:
             self._time(todo if todo == list(configs) else [configs[0]] + todo, rounds)

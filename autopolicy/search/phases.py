@@ -277,6 +277,9 @@ class Configuration:
     # (path, kernel) of the layers whose kernel the end-to-end rounds chose over the one timed
     # fastest alone (verify.confirm_kernels); empty: every layer runs the profile's kernel.
     kernels: tuple[tuple[str, str], ...] = ()
+    # A workload's phases (search.workload): (phase, median seconds per call) end to end; the
+    # measured latency is their weighted sum. Empty: one timed call.
+    phase_latency_s: tuple[tuple[str, float], ...] = ()
 
     @property
     def changed(self) -> dict[str, str]:

@@ -89,6 +89,9 @@ class TuneResult:
     weights_digest: str | None = None
     sample_args: tuple | None = dataclasses.field(default=None, repr=False)
     structure: Any = dataclasses.field(default=None, repr=False)
+    #: A workload's phases (``tune``'s ``workload``): ``{"phase", "weight", "inputs"}`` each, in
+    #: order; None for one timed call (the sample input's).
+    workload: tuple | None = None
 
     @functools.cached_property
     def profile(self) -> Any:

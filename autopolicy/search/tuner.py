@@ -15,7 +15,7 @@ import numpy as np
 
 from autopolicy import _json, _multihost, policies
 from autopolicy.search import (_checks, accuracy as accuracy_phase, executor as executor_mod, first_order, hardware,
-                               latency_model, noise, profiling, timing, verify)
+                               latency_model, noise, profiling, timing, verify, workload as workload_mod)
 from autopolicy.search.costs import Costs, phase
 from autopolicy.search._context import Context
 from autopolicy.search._defaults import DEFAULT_CANDIDATES, REFERENCE
@@ -84,6 +84,16 @@ def _batches(calibration_inputs: Iterable[Any] | None, args: tuple) -> list[tupl
     return batches
 
 
+def _phase_run(model: Any, p: Any, calibration: list, adapter: AdapterFactory | None) -> tuple:
+    """``(name, adapter, args, carry, weight)`` of a workload's phase: its own adapter, whose
+    layers see the phase's input shapes."""
+    try:
+        args = _checks.check_sample_input(p.sample_input)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"Phase {p.name!r}: {e}") from None
+    return p.name, get_adapter(model, args, calibration, adapter), args, p.step_carry, float(p.weight)
+
+
 def _input_shape(arg: Any) -> list:
     """The shape of one sample-input argument, or of each leaf of a nested one (a language
     model's key/value cache: a tuple of arrays of unlike shapes), for the timings' cache key."""
@@ -117,6 +127,7 @@ def tune(
     loss_link: str = "fitted",
     loss_inputs: Iterable[Any] | None = None,
     step_carry: Callable[[tuple, Any], tuple] | None = None,
+    workload: Sequence[Any] | None = None,
 ) -> TuneResult:
     """Finds the fastest per-layer policies on this machine whose metric stays within budget.
 
@@ -204,6 +215,14 @@ def tune(
         one-layer accuracy evaluations on; latency is always measured here, and the chosen map
         is verified here. The model, ``eval_fn`` and calibration data travel to the workers
         with cloudpickle (:mod:`autopolicy.search.executor`). None: every evaluation here.
+      workload: The timed objective as several calls (:class:`autopolicy.search.Phase`, e.g. a
+        prefill of 512 tokens once, then 128 decode steps: see
+        :func:`autopolicy.nn.generation.workload_phases`): every layer is timed in each phase
+        and the solver, the kernels and the end-to-end decisions minimise the weighted sum of
+        the phases' seconds; each configuration's phases are reported
+        (``Configuration.phase_latency_s``). ``sample_input`` and ``step_carry`` then serve
+        accuracy (calibration's default batch, layer fidelity) only. None: ``sample_input``'s
+        call is the objective.
 
     With several JAX processes (``jax.distributed``, a model sharded over a mesh that spans
     them), call ``tune`` on every process with the same arguments: each timing sample is the
@@ -246,6 +265,7 @@ def tune(
         if step_carry is not None and not callable(step_carry):
             raise TypeError(f"step_carry must be callable (step_carry(sample_args, outputs) -> next args) or None. "
                             f"Received: step_carry={step_carry!r}")
+        phases = None if workload is None else workload_mod.check_phases(workload)
         if profile_accuracy not in PROFILE_ACCURACY:
             raise ValueError(f"profile_accuracy must be one of {list(PROFILE_ACCURACY)}. "
                              f"Received: profile_accuracy={profile_accuracy!r}")
@@ -263,12 +283,19 @@ def tune(
         # The cache (its directory checked and locked) before any evaluation or measurement.
         with MeasurementCache(cache_dir, _shared_file(shared_cache_dir)) as cache:
             reference_model, scorer = _reference(made, eval_fn, calibration)
-            if step_carry is not None:  # traced only: a carry that breaks the loop fails here, not minutes later
-                program = made.model_program(reference_model)
+            timed = [(None, made, args, step_carry, 1.0)]  # (phase, adapter, args, carry, weight)
+            if phases is not None:
+                timed = [_phase_run(model, p, calibration, adapter) for p in phases]
+            for name, phase_adapter, _, carry, _ in timed:
+                if carry is None:
+                    continue
+                # Traced only: a carry that breaks the loop fails here, not minutes later.
+                program = phase_adapter.model_program(reference_model)
                 try:
-                    timing.check_carry(timing.Candidate(program.fn, program.args, program.state, carry=step_carry))
+                    timing.check_carry(timing.Candidate(program.fn, program.args, program.state, carry=carry))
                 except Exception as e:  # pylint: disable=broad-except
-                    raise ValueError(f"step_carry(sample_args, outputs) failed: {type(e).__name__}: {e}") from e
+                    where = "step_carry(sample_args, outputs)" if name is None else f"phase {name!r}'s step_carry"
+                    raise ValueError(f"{where} failed: {type(e).__name__}: {e}") from e
             baseline = _baseline_metric(eval_fn, reference_model)
             weights_digest = made.weights_digest()
             allowed = _checks.allowed_worsening(baseline, max_drop, relative, higher_is_better)
@@ -282,7 +309,13 @@ def tune(
                 repeats=repeats, max_rounds=max_rounds, min_speedup=min_speedup, confirm_seconds=confirm_seconds,
                 progress=progress,
                 reference_model=reference_model, executor=executor)
-            latency = profiling.measure_latency(made, layer_sites, cache, fingerprint, repeats, progress)
+            if phases is None:
+                latency = profiling.measure_latency(made, layer_sites, cache, fingerprint, repeats, progress)
+            else:
+                latency = workload_mod.combine_profiles(
+                    [profiling.measure_latency(a, profiling.sites(a.layers(), candidate_policies), cache, fingerprint,
+                                               repeats, progress) for _, a, _, _, _ in timed],
+                    [w for *_, w in timed])
             _check_memory(latency, memory_budget)
             kernels = profiling.kernel_choice(latency)
             if supports_kernels(made):  # every model built from here on runs the fastest kernels
@@ -298,10 +331,13 @@ def tune(
                 # Each configuration's kernels are part of its identity in the rounds (key_of):
                 # a later run whose profile chose another kernel for some layer re-times only the
                 # configurations that run it.
-                e2e = EndToEnd(made, models, cache, fingerprint,
-                               ctx.digest if step_carry is None else key(ctx.digest, "steps"),
-                               [_input_shape(a) for a in args], step_carry,
-                               kernels if supports_kernels(made) else None)
+                ends = [EndToEnd(a, models, cache, fingerprint,
+                                 ctx.digest if carry is None else key(ctx.digest, "steps"),
+                                 [_input_shape(x) for x in phase_args], carry,
+                                 kernels if supports_kernels(made) else None)
+                        for _, a, phase_args, carry, _ in timed]
+                e2e = ends[0] if phases is None else workload_mod.PhasedEndToEnd(
+                    ends, [n for n, *_ in timed], [w for *_, w in timed])
                 # Half the repeats: enough medians for the latency model; decisions pair these
                 # rounds with the final ones (verify.choose).
                 e2e.time_group(uniform_configs, max(repeats // 2, 3), "calibration")
@@ -364,4 +400,6 @@ def tune(
                 wall_time_s=time.perf_counter() - start,
                 test=test, decisions=tuple(decisions), calibration=final,
                 noise=noise.assess(latency, e2e), costs=costs.as_dict(), weights_digest=weights_digest,
-                sample_args=args, structure=made.float_structure() if hasattr(made, "float_structure") else None)
+                sample_args=args, structure=made.float_structure() if hasattr(made, "float_structure") else None,
+                workload=None if phases is None else tuple(
+                    {"phase": n, "weight": w, "inputs": [_input_shape(x) for x in a]} for n, _, a, _, w in timed))

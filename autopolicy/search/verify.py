@@ -275,8 +275,9 @@ def _timed(e2e: EndToEnd, config: Configuration, float32: Configuration) -> Conf
     if failure or not e2e.samples(config):
         return config.with_(excluded=config.excluded or failure or "not timed")
     t, s = e2e.summary(config), e2e.speedup(config, float32)
+    phases = e2e.phase_medians(config) if hasattr(e2e, "phase_medians") else ()
     return config.with_(measured_latency_s=t.median, measured_latency_cv=t.cv, speedup=s.median,
-                        speedup_low=s.low, speedup_high=s.high, rounds=s.rounds)
+                        speedup_low=s.low, speedup_high=s.high, rounds=s.rounds, phase_latency_s=phases)
 
 
 def _challenge(ctx: Context, e2e: EndToEnd, challenger: Configuration, incumbent: Configuration) -> Speedup:
