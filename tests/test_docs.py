@@ -145,8 +145,16 @@ def _commands(page: pathlib.Path) -> list[tuple[int, list[str]]]:
             if line.endswith("\\"):
                 continue
             text, joined = " ".join(joined), []
-            for segment in re.split(r"&&|\|\||;|\|", text.lstrip("$ ")):
-                words = shlex.split(segment, comments=True)
+            lexer = shlex.shlex(text.lstrip("$ "), posix=True, punctuation_chars=True)
+            lexer.whitespace_split, lexer.commenters = True, "#"
+            segments, words = [], []
+            for token in lexer:  # commands split at the shell's operators, not inside quotes
+                if token in ("&&", "||", ";", "|"):
+                    segments.append(words)
+                    words = []
+                else:
+                    words.append(token)
+            for words in segments + [words]:
                 while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
                     words = words[1:]
                 if words and pathlib.PurePath(words[0]).name == "autopolicy":

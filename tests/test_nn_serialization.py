@@ -55,6 +55,16 @@ def test_round_trip_keeps_outputs_policies_and_dtypes(tmp_path):
     assert manifest["policy_map"]["class_name"] == "DTypePolicyMap"
 
 
+def test_a_decoder_built_from_its_config_object_round_trips(tmp_path):
+    config = nn.LlamaConfig(vocab_size=64, dim=16, blocks=1, heads=4, kv_heads=2, mlp_dim=32, rope_base=500.0)
+    model = nn.LlamaDecoder(config, name="lm").build(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    nn.save(model, tmp_path / "m")
+    loaded = nn.load(tmp_path / "m")
+    assert loaded.config == config and type(loaded.config) is nn.LlamaConfig
+    ids = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(model(ids)))
+
+
 def test_unknown_custom_class_needs_registration(tmp_path):
     nn.save(model(), tmp_path)
     with pytest.raises(ValueError, match="register_serializable"):
