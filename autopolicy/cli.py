@@ -119,6 +119,53 @@ def _repeats(text: str) -> int:
     return value
 
 
+def _option(text: str) -> tuple[str, Any]:
+    from autopolicy import _experiment_options  # pylint: disable=import-outside-toplevel
+
+    try:
+        return _experiment_options.parse_assignment(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--small`` and ``--option KEY=VALUE``: options of the experiment's ``build``."""
+    parser.add_argument("--small", action="store_true",
+                        help="the experiment's small form (--option small=true), where it has one: a model that "
+                             "tunes in about a minute on a CPU, for tests and a first look")
+    parser.add_argument("--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the experiment's build (repeatable), read as the type it declares (an int, "
+                             "a float, true/false or text); `autopolicy list` shows each experiment's. The run "
+                             "directory defaults to runs/EXPERIMENT-<options> (runs/decoder_1b-small-batch16)")
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--small`` and the ``--option`` values as one dict; a key given twice is refused."""
+    from autopolicy import _experiment_options  # pylint: disable=import-outside-toplevel
+
+    pairs = ([("small", _experiment_options.Text("true"))] if args.small else []) + list(args.option)
+    options: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in options:
+            raise UsageError(f"option {key!r} given twice ({key}={options[key]} and {key}={value})"
+                             + (" (--small is --option small=true)" if key == "small" else ""))
+        options[key] = value
+    return options
+
+
+def _form_suffix(args: argparse.Namespace) -> str:
+    """The default run directory's suffix for the options given (``-small-batch16``), checked
+    against the experiment's ``build`` before anything runs."""
+    options = _options(args)
+    if not options:
+        return ""
+    if args.experiment.endswith(".keras"):
+        raise UsageError("--small and --option are options of an experiment's build; a .keras model takes none")
+    from autopolicy import experiment  # pylint: disable=import-outside-toplevel
+
+    return experiment.form_suffix(experiment.load(args.experiment), **options)
+
+
 def _epilog() -> str:
     lines = [f"  {status:<4} {meaning}" for status, meaning in EXIT_STATUSES.items()]
     return "exit statuses:\n" + "\n".join(lines) + "\nerrors are one line on stderr; --debug shows the traceback."
@@ -140,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("experiment", nargs="?", default="digits_mlp",
                       help="a built-in experiment (see `autopolicy list`), a .py file, or a .keras model with "
                            "--eval and --sample (default: digits_mlp)")
+    _add_option_arguments(tune)
     tune.add_argument("--eval", default=None, metavar="MODULE:FUNCTION",
                       help="for a .keras model: eval(model) -> float, higher is better unless --lower-is-better "
                            "(module or file.py)")
@@ -162,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated policies (default: the experiment's, else "
                            "autopolicy.search.DEFAULT_CANDIDATES)")
     tune.add_argument("--memory-budget", type=_size, default=None, help="cap on weight bytes, e.g. 10MB")
+    tune.add_argument("--workload", type=_workload, default=None, metavar="prefill=P,decode=G[,weight=W][;...]",
+                      help="time generation requests (a prefill of P tokens, then G decode steps; several "
+                           "separated by ';', weighted) and minimise their total, each phase reported; "
+                           "for experiments that define workload_fn (smollm2)")
     tune.add_argument("--out", default=None, help="run directory (default: runs/EXPERIMENT); reruns resume; "
                                                    "one run at a time (it is locked)")
     tune.add_argument("--repeats", type=_repeats, default=20, help="timing repetitions per layer")
@@ -218,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     profile = add("profile", help="time every layer of an experiment under every candidate")
     profile.add_argument("experiment")
+    _add_option_arguments(profile)
     profile.add_argument("--candidates", type=_candidates, default=None)
     profile.add_argument("--repeats", type=_repeats, default=20)
     profile.add_argument("--out", default=None, help="also write the table as CSV")
@@ -237,17 +290,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _experiment(name: str) -> Any:
+def _experiment(name: str, options: dict | None = None) -> Any:
     from autopolicy import experiment  # pylint: disable=import-outside-toplevel
 
     module = experiment.load(name)
     print(f"experiment {name}: {getattr(module, 'DESCRIPTION', '')}", file=sys.stderr)
-    return experiment.build(module)
+    return experiment.build(module, **(options or {}))
 
 
-def _default_out(experiment: str) -> str:
-    """``runs/NAME`` for a built-in name, a ``.py`` file or a ``.keras`` file."""
-    return os.path.join("runs", pathlib.Path(experiment).stem or experiment)
+def _default_out(experiment: str, form: str = "") -> str:
+    """``runs/NAME`` for a built-in name, a ``.py`` file or a ``.keras`` file; ``runs/NAME-small-batch16``
+    for a form of it (``form``: the suffix of its options)."""
+    return os.path.join("runs", (pathlib.Path(experiment).stem or experiment) + form)
 
 
 def _tune_experiment(args: argparse.Namespace) -> Any:
@@ -258,15 +312,36 @@ def _tune_experiment(args: argparse.Namespace) -> Any:
     given = [flag for flag, value in (("--eval", args.eval), ("--sample", args.sample), ("--test", args.test)) if value]
     if given:
         raise UsageError(f"{', '.join(given)} only apply to a .keras model; an experiment defines its own")
-    return _experiment(args.experiment)
+    return _experiment(args.experiment, _options(args))
 
 
 def _tune(args: argparse.Namespace) -> int:
     from autopolicy import _rundir  # pylint: disable=import-outside-toplevel
 
-    out = args.out or _default_out(args.experiment)
+    form = _form_suffix(args)  # options checked before anything runs, whatever --out says
+    out = args.out or _default_out(args.experiment, form)
     with _rundir.RunLock(out, "--out"):  # checked (creatable, writable, a directory) before any work
         return _tune_locked(args, out)
+
+
+def _workload(text: str) -> tuple:
+    from autopolicy.search import workload  # pylint: disable=import-outside-toplevel
+
+    try:
+        return workload.parse_requests(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _phases(exp: Any, requests: tuple | None) -> list | None:
+    """The phases of ``--workload``'s requests, from the experiment's ``workload_fn``."""
+    if requests is None:
+        return None
+    make = getattr(exp, "workload_fn", None)
+    if make is None:
+        raise UsageError(f"--workload needs an experiment that turns requests into timed phases (Experiment."
+                         f"workload_fn, as smollm2 defines); {exp.name!r} has none")
+    return list(make(requests))
 
 
 def _tune_locked(args: argparse.Namespace, out: str) -> int:
@@ -274,6 +349,7 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
     from autopolicy.search import _checks  # pylint: disable=import-outside-toplevel
 
     exp = _tune_experiment(args)
+    workload = _phases(exp, args.workload)
     max_drop = exp.max_drop if args.max_drop is None else args.max_drop
     relative = exp.relative and not args.absolute
     higher_is_better = exp.higher_is_better if args.higher_is_better is None else args.higher_is_better
@@ -297,10 +373,11 @@ def _tune_locked(args: argparse.Namespace, out: str) -> int:
             profile_accuracy=args.profile_accuracy, shared_cache_dir=shared, executor=executor,
             higher_is_better=higher_is_better, loss_fn=getattr(exp, "loss_fn", None),
             loss_link=getattr(exp, "loss_link", "fitted"), loss_inputs=getattr(exp, "loss_inputs", None),
-            step_carry=getattr(exp, "step_carry", None),
+            step_carry=getattr(exp, "step_carry", None), workload=workload,
         )
     result.summary["experiment"] = {"name": exp.name, "description": exp.description,
-                                    "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:])}
+                                    "metric": exp.metric_name, "command": " ".join(["autopolicy"] + sys.argv[1:]),
+                                    "options": getattr(exp, "options", {})}
     tuned = result.save(out, model=not args.no_model, tokenizer=getattr(exp, "tokenizer", None),
                         source=getattr(exp, "source", None))
     _print_summary(result.summary, out)
@@ -342,6 +419,8 @@ def _print_summary(s: dict, out: str) -> None:
     print(f"chosen map: {len(chosen['policies'])} of {s['layers']} layers changed; {name}: {chosen['metric']:.4f}; "
           f"{s['speedup_vs_float32']:.2f}x float32, {s['speedup_vs_best_uniform']:.2f}x best uniform "
           f"({s['best_uniform']})")
+    if s.get("workload"):
+        print(_workload_line(s))
     memory = s.get("memory") or {}
     if memory.get("budget") is not None:
         print(f"weights: {memory['chosen_nbytes']:,} bytes chosen, {memory['float32_nbytes']:,} in float32; "
@@ -359,6 +438,23 @@ def _print_summary(s: dict, out: str) -> None:
         print(f"time: {s['wall_time_s']:.1f} s ({phases}); {costs['compilations']} XLA compilations "
               f"({costs['compile_cache_hits']} loaded from the compilation cache)")
     print(f"run directory: {out}")
+
+
+def _workload_line(s: dict) -> str:
+    """``workload: prefill 512 x1: 40.1 ms (1.21x float32); decode at 640 x128: 7.9 ms (2.50x float32)``:
+    the chosen configuration's time per call in each phase of a workload.
+
+    >>> _workload_line({"workload": [{"phase": "decode", "weight": 8}], "chosen": {"phases": {"decode": 0.002}},
+    ...                 "float32": {"phases": {"decode": 0.005}}})
+    'workload: decode x8: 2.00 ms (2.50x float32)'
+    """
+    chosen, float32 = s["chosen"].get("phases") or {}, s["float32"].get("phases") or {}
+    parts = []
+    for w in s["workload"]:
+        name, t, ref = w["phase"], chosen.get(w["phase"]), float32.get(w["phase"])
+        ratio = f" ({ref / t:.2f}x float32)" if t and ref else ""
+        parts.append(f"{name} x{w['weight']:g}: " + (f"{1e3 * t:.2f} ms{ratio}" if t else "not timed"))
+    return "workload: " + "; ".join(parts)
 
 
 def _megabytes(nbytes: float) -> str:
@@ -513,7 +609,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     if args.out:
         _rundir.check_output_file(args.out)
-    exp = _experiment(args.experiment)
+    exp = _experiment(args.experiment, _options(args))
     candidates = args.candidates or exp.candidates or search.DEFAULT_CANDIDATES
     table = search.profile(exp.model, exp.sample_input, candidates=candidates,
                            repeats=args.repeats, progress=not args.no_progress)
@@ -532,10 +628,13 @@ def _list(args: argparse.Namespace) -> int:
 
     for name, path in experiment.available().items():
         try:
-            description = getattr(experiment.load(name), "DESCRIPTION", path)
+            module = experiment.load(name)
+            description, options = getattr(module, "DESCRIPTION", path), experiment.options_of(module)
         except ValueError as e:  # one broken file does not hide the others
-            description = f"(cannot be loaded: {_first_line(str(e))})"
+            description, options = f"(cannot be loaded: {_first_line(str(e))})", {}
         print(f"{name:18s} {description}")
+        if options:  # `tune NAME --option KEY=VALUE` (--small for small=true)
+            print(f"{'':18s} options: {'; '.join(o.describe() for o in options.values())}")
     return EXIT_OK
 
 

@@ -3,6 +3,12 @@
 An experiment is a Python file that defines ``build(cache_dir) -> Experiment`` (and optionally
 ``DESCRIPTION``). The built-in ones live in the repository's ``experiments/`` directory; any
 file path works too. Trained weights are cached, so only the first run trains.
+
+Keyword parameters of ``build`` with defaults are the experiment's options
+(``build(cache_dir, small: bool = False, batch: Literal[1, 16, 64] = 1)``):
+``autopolicy tune NAME --small --option batch=16`` and ``build(module, small=True, batch=16)``
+pass them, checked first, and the experiment built is another form of it, named for the options
+that differ from their defaults (``decoder_1b-small-batch16``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ import warnings
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-__all__ = ["Experiment", "experiment_dirs", "available", "load", "build", "cached_model", "default_cache_dir"]
+from autopolicy import _experiment_options
+
+__all__ = ["Experiment", "Option", "experiment_dirs", "available", "load", "build", "options_of", "form_suffix",
+           "cached_model", "default_cache_dir"]
 
 
 @dataclasses.dataclass
@@ -51,6 +60,12 @@ class Experiment:
       source: Where the float model comes from, as JSON (``{"gguf": "/path/model.gguf"}``):
         recorded with the tuned model, so that ``autopolicy generate --float32`` can load the
         float reference.
+      workload_fn: For ``autopolicy tune --workload``: ``workload_fn(requests)`` -> the phases
+        (:class:`autopolicy.search.Phase`) of those generation requests
+        (:class:`autopolicy.search.Request`), e.g. ``lambda requests:
+        generation.workload_phases(model, requests)``. None: the experiment takes no workload.
+      options: The options it was built with, every option of its ``build`` with its value
+        (:func:`build` sets it; ``{}`` for an experiment without options).
     """
 
     name: str
@@ -71,6 +86,8 @@ class Experiment:
     step_carry: Callable[[tuple, Any], tuple] | None = None
     tokenizer: Any = None
     source: dict | None = None
+    workload_fn: Callable[[Sequence[Any]], Sequence[Any]] | None = None
+    options: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -101,6 +118,12 @@ class Experiment:
                             f"Received: tokenizer={type(self.tokenizer).__name__}")
         if self.source is not None and not isinstance(self.source, dict):
             raise TypeError(f"Experiment.source must be a dict such as {{'gguf': path}}. Received: source={self.source!r}")
+        if not isinstance(self.options, dict):
+            raise TypeError(f"Experiment.options must be a dict such as {{'batch': 16}}. "
+                            f"Received: options={self.options!r}")
+        if self.workload_fn is not None and not callable(self.workload_fn):
+            raise TypeError(f"Experiment.workload_fn must be a function of the requests, or None. "
+                            f"Received: workload_fn={self.workload_fn!r}")
         if isinstance(self.candidates, str):
             raise TypeError(f"Experiment.candidates must be a sequence of policy names, not one str. "
                             f"Received: candidates={self.candidates!r}; write ({self.candidates!r},)")
@@ -190,21 +213,27 @@ def load(name_or_path: str | os.PathLike) -> ModuleType:
     return module
 
 
-def build(module: ModuleType, cache_dir: str | os.PathLike | None = None) -> Experiment:
-    """Calls the experiment module's ``build(cache_dir)`` and checks what it returns.
+def build(module: ModuleType, cache_dir: str | os.PathLike | None = None, **options: Any) -> Experiment:
+    """Calls the experiment module's ``build(cache_dir, **options)`` and checks what it returns.
 
     Args:
       module: From :func:`load`.
       cache_dir: Where trained weights are cached (default: :func:`default_cache_dir`).
+      **options: The experiment's options (:func:`options_of`), checked before it is built.
+        The experiment returned is named for the options that differ from their defaults
+        (:func:`form_suffix`: ``decoder_1b-small-batch16``), and its ``options`` are every
+        option's value.
 
     Raises:
-      ValueError: naming the experiment and the error, when ``build`` raises (file system
-        errors, OSError, are raised as they are).
+      ValueError: for an option the experiment does not take or a bad value, naming the valid
+        ones; naming the experiment and the error, when ``build`` raises (file system errors,
+        OSError, are raised as they are).
       TypeError: when it returns something other than an :class:`Experiment`.
     """
     where = getattr(module, "__file__", None) or getattr(module, "__name__", repr(module))
+    given = _experiment_options.resolve(module.build, options, _name_of(module))
     try:
-        made = module.build(default_cache_dir() if cache_dir is None else cache_dir)
+        made = module.build(default_cache_dir() if cache_dir is None else cache_dir, **given)
     except OSError:
         raise
     except (Exception, SystemExit) as e:  # pylint: disable=broad-except
@@ -214,7 +243,37 @@ def build(module: ModuleType, cache_dir: str | os.PathLike | None = None) -> Exp
             f"build() of the experiment {str(where)!r} must return an autopolicy.experiment.Experiment. "
             f"It returned {type(made).__name__} {str(made)[:60]!r}."
         )
-    return made
+    known = _experiment_options.declared(module.build)
+    values = dict(given) if known is None else {n: given.get(n, o.default) for n, o in known.items()}
+    return dataclasses.replace(made, name=made.name + _experiment_options.suffix(given, known), options=values)
+
+
+def _name_of(module: ModuleType) -> str:
+    """The experiment's name in messages: its file's stem (``decoder_1b``)."""
+    where = getattr(module, "__file__", None)
+    return pathlib.Path(where).stem if where else getattr(module, "__name__", repr(module))
+
+
+#: One option of an experiment (a keyword parameter of its ``build``): name, default, choices.
+Option = _experiment_options.Option
+
+
+def options_of(module: ModuleType) -> dict[str, Option]:
+    """The options the experiment module's ``build`` takes, by name: its keyword parameters with
+    defaults, each with its choices where a ``typing.Literal`` annotation lists them (``{}``: none;
+    a ``build(cache_dir, **options)`` takes any and gives ``{}`` too)."""
+    return _experiment_options.declared(module.build) or {}
+
+
+def form_suffix(module: ModuleType, **options: Any) -> str:
+    """What :func:`build` appends to the experiment's name for these options (``""`` for the
+    defaults): ``-small-batch16``. ``autopolicy tune`` names its default run directory so.
+
+    Raises:
+      ValueError: as :func:`build`, for an option the experiment does not take or a bad value.
+    """
+    given = _experiment_options.resolve(module.build, options, _name_of(module))
+    return _experiment_options.suffix(given, _experiment_options.declared(module.build))
 
 
 #: Temporary files older than this in an experiment cache belong to killed runs.

@@ -54,6 +54,7 @@ autopolicy_api_modules = [
     "autopolicy.search",
     "autopolicy.numerics",
     "autopolicy.numerics.pallas_weight_only",
+    "autopolicy.numerics.gemm_forms",
     "autopolicy.train",
     "autopolicy.keras",
     "autopolicy.flax",

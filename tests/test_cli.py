@@ -84,13 +84,14 @@ def test_profile_prints_ratios(tiny, tmp_path, capsys):
 
 
 #: The tuning tasks in experiments/, and nothing else there (benchmarks live in benchmarks/).
-TASKS = ("digits_cnn", "digits_cnn_nnx", "digits_mlp", "encoder_latency", "keras_text", "minilm", "minilm_nnx",
-         "smollm2", "text_transformer", "wide_mlp")
+TASKS = ("bert_base", "decoder_1b", "digits_cnn", "digits_cnn_nnx", "digits_mlp", "encoder_latency", "keras_text",
+         "minilm", "minilm_nnx", "smollm2", "text_transformer", "wide_mlp")
 
 
 def test_list_names_exactly_the_tuning_tasks_each_with_its_description(capsys):
     assert cli.main(["list"]) == 0
-    rows = [line.split(None, 1) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    # An indented line under a task lists its options (tests/test_gpu_experiments.py).
+    rows = [line.split(None, 1) for line in capsys.readouterr().out.splitlines() if line[:1].strip()]
     assert tuple(name for name, _ in rows) == TASKS
     # Tasks of an extra that is not installed cannot be imported to read their description.
     needs = {"keras_text": "keras", "digits_cnn_nnx": "flax", "minilm_nnx": "flax"}

@@ -21,6 +21,7 @@ PUBLIC_MODULES = [
     "autopolicy.numerics.kernels",
     "autopolicy.numerics.device",
     "autopolicy.numerics.pallas_weight_only",
+    "autopolicy.numerics.gemm_forms",
     "autopolicy.distributed",  # RayExecutor needs the distributed extra only when made
     "autopolicy.search.executor",
     "autopolicy.llamacpp",

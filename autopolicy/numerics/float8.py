@@ -186,24 +186,33 @@ def fp8_einsum(
     Raises:
       ValueError: for an unknown kernel name.
     """
-    return _fp8_fwd(equation, x, kernel, x_meta, kernel_meta, grad_meta, kernel_name)[0]
+    del grad_meta  # the backward pass's
+    return _product(equation, x, kernel, x_meta, kernel_meta, kernel_name)
 
 
-def _fp8_fwd(equation, x, kernel, x_meta, kernel_meta, grad_meta, kernel_name=None):
+def _product(equation, x, kernel, x_meta, kernel_meta, kernel_name):
+    """The forward product alone: no amax and no residuals, so an inference forward reduces over
+    nothing (the pattern XLA:GPU's GEMM rewriter turns into cuBLASLt's float8 GEMM: an e4m3 dot
+    to float32, then a multiply by a broadcast scalar, the product of the two scales)."""
     if kernel_name is None:
         kernel_name = default_float8_kernel()
     _check_kernel(kernel_name)
     x8, k8 = _quantize(x, x_meta.scale, E4M3), _quantize(kernel, kernel_meta.scale, E4M3)
-    # The dequantized operands are the backward pass's residuals for both kernels (so both have
-    # the same gradient); a forward pass alone drops them.
-    xq, kq = _dequantize(x8, x_meta.scale, x.dtype), _dequantize(k8, kernel_meta.scale, kernel.dtype)
     if kernel_name == "fp8_dot":
         acc = jnp.einsum(equation, x8, k8, preferred_element_type=jnp.float32,
                          out_sharding=_sharding.out_sharding(equation, x8, k8))
         scale = x_meta.scale.astype(jnp.float32) * kernel_meta.scale.astype(jnp.float32)
-        y = (acc * scale).astype(x.dtype)
-    else:
-        y = jnp.einsum(equation, xq, kq, out_sharding=_sharding.out_sharding(equation, xq, kq))
+        return (acc * scale).astype(x.dtype)
+    xq, kq = _dequantize(x8, x_meta.scale, x.dtype), _dequantize(k8, kernel_meta.scale, kernel.dtype)
+    return jnp.einsum(equation, xq, kq, out_sharding=_sharding.out_sharding(equation, xq, kq))
+
+
+def _fp8_fwd(equation, x, kernel, x_meta, kernel_meta, grad_meta, kernel_name=None):
+    y = _product(equation, x, kernel, x_meta, kernel_meta, kernel_name)
+    # The dequantized operands are the backward pass's residuals for both kernels (so both have
+    # the same gradient), and the amaxes update the histories there.
+    xq = quantize_dequantize(x, x_meta.scale, E4M3)
+    kq = quantize_dequantize(kernel, kernel_meta.scale, E4M3)
     return y, (xq, kq, _amax(x), _amax(kernel), x_meta, kernel_meta, grad_meta)
 
 
