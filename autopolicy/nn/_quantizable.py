@@ -54,6 +54,10 @@ class QuantizableKernel(Module):
         self.fp8 = None
         #: The static weight parameters of the stored form (int4: the block size).
         self._weights_layout = ()
+        #: The layout the kernels get once calibration has seen the weights, or () for
+        #: ``_weights_layout``: GPTQ/AWQ add whether the groups are in natural order
+        #: (``autopolicy.numerics.weight_only.calibrated_layout``).
+        self._calibrated_layout = ()
         #: The kernel (tactic) of the mode that runs the product, or None for the device's
         #: default (``autopolicy.numerics.kernels.default_kernel``). Set by ``with_kernels``.
         self.quantization_kernel = None
@@ -94,9 +98,8 @@ class QuantizableKernel(Module):
             fn = kernels.kernel_spec(self._weights_mode, chosen).fn(self.kernel_op)
         else:
             fn = entry.kernel(self.kernel_op)
-        return fn(
-            *args, weights=weights, layout=self._weights_layout, compute_dtype=compute_dtype, **kwargs
-        )
+        layout = self.__dict__.get("_calibrated_layout") or self._weights_layout
+        return fn(*args, weights=weights, layout=layout, compute_dtype=compute_dtype, **kwargs)
 
     # --- conversions ------------------------------------------------------------------------
 
@@ -129,6 +132,7 @@ class QuantizableKernel(Module):
         self._no_autocast = tuple(sorted(set(self._no_autocast) | (set(entry.no_autocast) & set(arrays))))
         self._weights_mode = entry.name
         self._weights_layout = entry.layout(policy)
+        self._calibrated_layout = ()
 
     def kernel_choices(self) -> tuple[str, ...]:
         """The kernels (tactics) that can run this layer's product under its current policy, the
@@ -181,3 +185,4 @@ class QuantizableKernel(Module):
             object.__setattr__(self, name, None)
         self._weights_mode = None
         self._weights_layout = ()
+        self._calibrated_layout = ()

@@ -312,4 +312,7 @@ def load(directory: str | os.PathLike, custom_objects: dict[str, type] | None = 
         values = _weights(_read(directory, WEIGHTS_FILE), model, manifest["dtypes"], manifest["format"])
     except _Damaged as e:
         raise DamagedSaveError(directory, str(e)) from None
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(model), values)
+    model = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(model), values)
+    if manifest.get("calibrated"):  # the placeholders' layouts know nothing of the saved g_idx
+        model = weight_calibration.with_calibrated_layouts(model)
+    return model

@@ -85,6 +85,8 @@ def _calibrated_layer(layer: Module, inputs: list[jax.Array], options: dict) -> 
     for key, value in arrays.items():
         object.__setattr__(new, key, value)
     new._nontrainable = tuple(sorted(set(new._nontrainable) | set(arrays)))
+    # Decided here, where g_idx is a concrete array: the XLA path then needs no gather.
+    new._calibrated_layout = weight_only.calibrated_layout(layer._weights_layout, g_idx)
     new._freeze()
     return new, note
 
@@ -183,6 +185,18 @@ def calibrated_layers(model: Module) -> tuple[str, ...]:
                 {name: getattr(layer, name) for name in entry.state}):
             out.append(path)
     return tuple(out)
+
+
+def with_calibrated_layouts(model: Module) -> Module:
+    """``model`` with the kernels' layout of each calibrated GPTQ/AWQ layer read from its concrete
+    ``g_idx`` (:func:`autopolicy.numerics.weight_only.calibrated_layout`): what loading restores
+    once the saved arrays have filled the placeholders, for saves from before the layout too."""
+    for path in calibrated_layers(model):
+        layer = model.layers_by_path()[path]
+        layout = weight_only.calibrated_layout(layer._weights_layout, layer.g_idx)
+        if layout != layer.__dict__.get("_calibrated_layout"):
+            model = _replace(model, path, layer._copy(_calibrated_layout=layout))
+    return model
 
 
 def with_calibrated_placeholders(model: Module, paths: Iterable[str]) -> Module:

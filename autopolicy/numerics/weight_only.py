@@ -19,6 +19,15 @@ on the grid and a zero point always fits in ``[0, 2**bits - 1]``. Inputs stay in
 kernel is dequantized to the compute dtype and multiplied (correct and jittable; no integer
 product). Until calibration (``autopolicy.nn.calibrate_weights``) a layer holds its float kernel
 and the state is ``None``; running it then raises.
+
+The kernels' ``layout`` is ``(bits, group_size)``, or ``(bits, group_size, in_order)`` once the
+weights are known (:func:`calibrated_layout`): ``in_order`` says that ``g_idx`` is
+:func:`group_index`, every input ``k`` in group ``k // group_size``. It is decided where ``g_idx``
+is a concrete array (at calibration and loading), never under ``jit``. With it the XLA path
+repeats each group's scale and zero point over the group's inputs by a broadcast and a reshape;
+without it (act-order, or not known) it gathers them by ``g_idx``. The weights are the same bit
+for bit; the broadcast form keeps the dequantization fusable into a GPU GEMM (XLA:GPU's Triton
+GEMM fusions take no gather).
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ __all__ = [
     "store",
     "placeholders",
     "layout_of",
+    "in_natural_order",
+    "calibrated_layout",
     "is_calibrated",
     "uncalibrated_weights",
     "einsum_kernel",
@@ -151,15 +162,33 @@ def unpack(stored: jax.Array, n: int, bits: int) -> jax.Array:
     return both[:n]
 
 
+def _per_input(values: jax.Array, k: int, group_size: int) -> jax.Array:
+    """Each group's value of ``values`` ``(N, G)`` repeated over its inputs: ``(N, k)``, by a
+    broadcast and a reshape (and a slice for a last group that is cut short)."""
+    n, groups = values.shape
+    size = k if group_size == PER_CHANNEL else group_size
+    full = jnp.broadcast_to(values[:, :, None], (n, groups, size)).reshape(n, groups * size)
+    return full if groups * size == k else full[:, :k]
+
+
 def dequantize(weights: dict, layout: tuple, dtype: Any) -> jax.Array:
-    """The float ``(K, N)`` kernel that ``weights`` (see the module docstring) stand for."""
-    bits, _ = layout
+    """The float ``(K, N)`` kernel that ``weights`` (see the module docstring) stand for.
+
+    ``layout``: ``(bits, group_size)`` gathers the scales and zero points by ``g_idx``;
+    ``(bits, group_size, True)`` (:func:`calibrated_layout` of natural order) repeats them over
+    each group's inputs instead. The same values bit for bit.
+    """
+    bits, group_size = layout[:2]
     scale = weights["kernel_scale"].astype(jnp.float32)
     n = scale.shape[0]
     q = unpack(weights["kernel"], n, bits).astype(jnp.float32)  # (N, K)
-    groups = weights["g_idx"].astype(jnp.int32)
     zero = weights["kernel_zero"].astype(jnp.float32)
-    w_t = (q - zero[:, groups]) * scale[:, groups]
+    if layout[2:3] == (True,):
+        k = q.shape[1]
+        w_t = (q - _per_input(zero, k, group_size)) * _per_input(scale, k, group_size)
+    else:
+        groups = weights["g_idx"].astype(jnp.int32)
+        w_t = (q - zero[:, groups]) * scale[:, groups]
     if weights.get("awq_scales") is not None:
         w_t = w_t / weights["awq_scales"].astype(jnp.float32)
     return w_t.T.astype(dtype)
@@ -199,6 +228,31 @@ def layout_of(policy: Any) -> tuple[int, int]:
     return (policy.weight_bits, policy.group_size)
 
 
+def in_natural_order(g_idx: Any, group_size: int) -> bool:
+    """Whether a concrete ``g_idx`` is :func:`group_index`: every input ``k`` in group
+    ``k // group_size`` (False for GPTQ's act-order, and for a traced ``g_idx``, whose values are
+    not known, or one that spans processes).
+
+    >>> in_natural_order(group_index(5, 2), 2), in_natural_order(np.array([1., 0., 0., 1., 2.]), 2)
+    (True, False)
+    """
+    if g_idx is None or isinstance(g_idx, jax.core.Tracer) or not getattr(g_idx, "is_fully_addressable", True):
+        return False
+    g_idx = np.asarray(g_idx)
+    return g_idx.ndim == 1 and bool(np.array_equal(g_idx, group_index(g_idx.shape[0], group_size)))
+
+
+def calibrated_layout(layout: tuple, g_idx: Any) -> tuple:
+    """The kernels' layout for weights with ``g_idx``: ``layout`` ``(bits, group_size)`` and
+    whether ``g_idx`` is in natural order (:func:`in_natural_order`), which lets the XLA path
+    repeat the scales over each group instead of gathering them.
+
+    >>> calibrated_layout((4, 2), group_index(5, 2)), calibrated_layout((4, 2), np.array([1., 0., 0., 1., 2.]))
+    ((4, 2, True), (4, 2, False))
+    """
+    return tuple(layout[:2]) + (in_natural_order(g_idx, layout[1]),)
+
+
 def is_calibrated(weights: dict) -> bool:
     return weights.get("kernel_scale") is not None
 
@@ -222,6 +276,8 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
     kernel in the compute dtype, then a float product; ``"cpu_ffi"``, autopolicy's CPU kernel
     (:mod:`autopolicy.numerics.cpu_weight_only`), ``"cpu_ffi_avx2"`` the same on its AVX2 path;
     ``"pallas"``, the Pallas kernel for GPUs (:mod:`autopolicy.numerics.pallas_weight_only`).
+    ``layout``: ``(bits, group_size)``, or :func:`calibrated_layout`'s, whose group order lets
+    the XLA path do without a gather.
 
     Raises:
       UncalibratedError: if the weights were never calibrated.
@@ -230,16 +286,17 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
     if kernel == "pallas":
         from autopolicy.numerics import pallas_weight_only  # it builds on this module
 
-        return pallas_weight_only.einsum_kernel(equation, x, weights, layout, compute_dtype, kernel)
+        # The kernels below read (bits, group_size); the order matters to the XLA path alone.
+        return pallas_weight_only.einsum_kernel(equation, x, weights, layout[:2], compute_dtype, kernel)
     if kernel in cpu_kernels.FFI_KERNELS:
         from autopolicy.numerics import cpu_weight_only  # it builds on this module
 
         if cpu_weight_only.AVAILABLE and is_calibrated(weights):  # else it raises, naming why
             # On a CPU the kernel's call, elsewhere the XLA path below: the same values.
             return cpu_kernels.on_cpu(
-                lambda x_, w_: cpu_weight_only.einsum_kernel(equation, x_, w_, layout, compute_dtype, kernel),
+                lambda x_, w_: cpu_weight_only.einsum_kernel(equation, x_, w_, layout[:2], compute_dtype, kernel),
                 lambda x_, w_: einsum_kernel(equation, x_, w_, layout, compute_dtype), x, weights)
-        return cpu_weight_only.einsum_kernel(equation, x, weights, layout, compute_dtype, kernel)
+        return cpu_weight_only.einsum_kernel(equation, x, weights, layout[:2], compute_dtype, kernel)
     if kernel not in (None, "xla"):
         raise ValueError(f"Invalid GPTQ/AWQ kernel. Expected one of {('xla', *cpu_kernels.FFI_KERNELS, 'pallas')}. "
                          f"Received: kernel={kernel!r}")
