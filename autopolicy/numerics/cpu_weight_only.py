@@ -210,13 +210,7 @@ def _product_bwd(layout, compute_dtype, simd_path, residuals, g):
     _, vjp = jax.vjp(lambda x_: _xla_product(x_, weights, layout, compute_dtype), x2)
     (dx,) = vjp(g)
     # The quantized weights are not trained: no gradient flows to them.
-    return dx, jax.tree_util.tree_map(_no_gradient, weights)
-
-
-def _no_gradient(leaf: jax.Array) -> Any:
-    if jnp.issubdtype(leaf.dtype, jnp.floating):
-        return jnp.zeros_like(leaf)
-    return np.zeros(leaf.shape, jax.dtypes.float0)
+    return dx, weight_only.no_gradient(weights)
 
 
 _product.defvjp(_product_fwd, _product_bwd)

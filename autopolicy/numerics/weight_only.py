@@ -44,6 +44,7 @@ from autopolicy.numerics import cpu_kernels, int4
 
 __all__ = [
     "PER_CHANNEL",
+    "no_gradient",
     "group_count",
     "group_index",
     "group_params",
@@ -305,3 +306,15 @@ def einsum_kernel(equation: str, x: jax.Array, weights: dict, layout: tuple, com
                                 "autopolicy.nn.calibrate_weights(model, batches) first.")
     w = dequantize(weights, layout, compute_dtype)
     return jnp.einsum(equation, x, w).astype(compute_dtype)
+
+
+def no_gradient(weights: dict) -> dict:
+    """The cotangent of stored weight-only weights in a kernel's custom VJP: zeros for float
+    leaves, ``float0`` for integer ones (the quantized weights are not trained)."""
+    def leaf(x: jax.Array) -> Any:
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.zeros_like(x)
+        return np.zeros(x.shape, jax.dtypes.float0)
+
+    return jax.tree_util.tree_map(leaf, weights)
+
