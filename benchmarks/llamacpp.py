@@ -109,10 +109,29 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} [{min(values):.1f}, {max(values):.1f}]"
 
 
+def _run(text: str) -> tuple[str, pathlib.Path]:
+    """``NAME=RUN_DIR`` or ``RUN_DIR`` (named after the directory)."""
+    name, sep, path = text.partition("=")
+    return (name, pathlib.Path(path)) if sep else (pathlib.Path(text).name, pathlib.Path(text))
+
+
+def _objective(run_dir: pathlib.Path) -> str:
+    """What a run was tuned for: its workload's phases, or its sample input's call."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "unknown objective"
+    phases = summary.get("workload")
+    if phases:
+        return "a workload: " + ", ".join(f"{w['phase']} x{w['weight']:g}" for w in phases)
+    return "one decode step at cache 256"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--run", type=pathlib.Path, default=None, help="a smollm2 tune's run directory (its tuned model "
-                        "and its GGUF export join the comparison)")
+    parser.add_argument("--run", action="append", type=_run, default=[], metavar="[NAME=]RUN_DIR",
+                        help="a smollm2 tune's run directory (its tuned model and its GGUF export join the "
+                             "comparison, named NAME or the directory's name); repeatable")
     parser.add_argument("--types", nargs="+", default=["F32", "Q8_0", "Q4_0", "Q4_K_M"], help="llama.cpp's types")
     parser.add_argument("--uniform", nargs="*", default=list(smollm2.CANDIDATES),
                         help="autopolicy's uniform policies (default: the task's candidates)")
@@ -155,17 +174,19 @@ def main(argv=None) -> int:
             uniform = nn.calibrate_weights(uniform, batches)
             print(f"calibrated {policy} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         models[policy] = uniform
-    export = None
-    texts: list[tuple[str, str, str]] = []
-    if args.run is not None:
-        models["tuned"] = autopolicy.load_tuned(args.run)
-        export = llamacpp.export_gguf(models["tuned"], str(source), str(folder / "autopolicy-tuned.gguf"), tools)
-        files["tuned (exported)"] = pathlib.Path(export.path)
+    exports = {}  # tuned model's key -> (export, [(prompt, ours, theirs)], objective)
+    for name, run_dir in args.run:
+        key = f"tuned {name}"
+        models[key] = autopolicy.load_tuned(run_dir)
+        export = llamacpp.export_gguf(models[key], str(source), str(folder / f"autopolicy-{name}.gguf"), tools)
+        files[f"{key} (exported)"] = pathlib.Path(export.path)
+        texts = []
         for prompt in PROMPTS:
             prompt_ids = tok.encode(prompt).ids
-            ours = tok.decode(generation.greedy_generate(models["tuned"], prompt_ids, 24, 64))
+            ours = tok.decode(generation.greedy_generate(models[key], prompt_ids, 24, 64))
             theirs = llamacpp.greedy_text(tools, export.path, prompt, 24, args.threads)
             texts.append((prompt, ours, theirs))
+        exports[key] = (export, texts, _objective(run_dir))
 
     print("perplexity ...", file=sys.stderr)
     ppl = {f"llama.cpp {k}": llamacpp.llama_perplexity(tools, f, text_file, args.ctx, args.chunks, args.threads)
@@ -196,7 +217,7 @@ def main(argv=None) -> int:
 
     sizes = {("llama.cpp", k): f.stat().st_size for k, f in files.items()}
     sizes.update({("autopolicy", k): m.nbytes() for k, m in models.items()})
-    page = render(args, tools, decode, prefill, ppl, sizes, export, texts)
+    page = render(args, tools, decode, prefill, ppl, sizes, exports)
     print(page)
     if args.out is not None:
         _atomic.write_text(args.out, page)
@@ -204,7 +225,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def render(args, tools, decode, prefill, ppl, sizes, export, texts) -> str:
+def render(args, tools, decode, prefill, ppl, sizes, exports) -> str:
     base = {"llama.cpp": ppl.get("llama.cpp F32"), "autopolicy": ppl.get("autopolicy float32")}
     lines = [
         "# llama.cpp and autopolicy on the same GGUF",
@@ -219,12 +240,14 @@ def render(args, tools, decode, prefill, ppl, sizes, export, texts) -> str:
         "configuration per round in a fresh random order: median [min, max] tokens/s",
         "- MB: the GGUF file's size; autopolicy's arrays in memory (the tied embedding table is held twice, "
         "as the embedding in float32 and as the head under its policy)",
-        "- autopolicy's uniform policies run each layer's default kernel; the tuned model runs the kernels "
-        "its tune chose (for a decode step at cache 256: the prefill figures are not what it was tuned for)",
+        "- autopolicy's uniform policies run each layer's default kernel; a tuned model runs the kernels "
+        "its tune chose, for its objective: " + ("; ".join(f"{k}: {o}" for k, (_, _, o) in exports.items())
+                                                 or "no tuned model"),
         f"- Perplexity: {args.chunks} windows of {args.ctx} tokens of held-out text (Python's docs, the smollm2 "
         "task's test split), tokenized by llama.cpp, scored as `llama-perplexity` scores them (each window's "
         "second half) by both tools; the rise is over each tool's own float32",
-        f"- Command: `python benchmarks/llamacpp.py{' --run RUN_DIR' if args.run else ''} --rounds {args.rounds}`",
+        f"- Command: `python benchmarks/llamacpp.py{''.join(f' --run {n}=RUN_DIR' for n, _ in args.run)} "
+        f"--rounds {args.rounds}`",
         "",
         "| tool | configuration | MB | decode tok/s | " + " | ".join(f"prefill {p} tok/s" for p in args.prefill)
         + " | perplexity | rise |",
@@ -246,9 +269,9 @@ def render(args, tools, decode, prefill, ppl, sizes, export, texts) -> str:
 
     for a in ours:
         lines.append(f"- autopolicy {a[1]}: " + ", ".join(f"{ratio(a, b)} llama.cpp {b[1]}" for b in theirs))
-    if export is not None:
+    for key, (export, texts, _) in exports.items():
         counts = ", ".join(f"{n} {k}" for k, n in export.type_counts().items())
-        lines += ["", "## The tune exported as GGUF", "",
+        lines += ["", f"## {key} exported as GGUF", "",
                   f"`autopolicy export RUN_DIR --format gguf`: {export.nbytes / 1e6:.1f} MB; weight matrices: {counts}"
                   + (f"; llama.cpp fell back to another type for {len(export.fallbacks)}" if export.fallbacks else "")
                   + ".", "", "Greedy continuations (24 tokens), the tuned autopolicy model and llama.cpp running "
