@@ -123,6 +123,7 @@ def test_decoder_checks_its_options_when_called_directly():
         module.build(None, small=True, phase="train")
 
 
+@pytest.mark.slow
 def test_list_shows_each_experiments_options(capsys):
     assert cli.main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -150,7 +151,8 @@ def test_bert_base_small_form():
     assert exp.eval_fn(exp.model.with_dtype_policy("int4_from_float32")) < 1.0 - exp.max_drop
 
 
-@pytest.mark.parametrize("batch,phase", [(1, "decode"), (16, "decode"), (1, "prefill")])
+@pytest.mark.parametrize("batch,phase", [(1, "decode"), pytest.param(16, "decode", marks=pytest.mark.slow),
+                                         pytest.param(1, "prefill", marks=pytest.mark.slow)])
 def test_decoder_1b_small_forms(batch, phase):
     exp = small("decoder_1b", batch=batch, phase=phase)
     assert exp.options == {"small": True, "batch": batch, "phase": phase}

@@ -71,12 +71,12 @@ def _assert_close(got, x, weights, layout, dtype):
 CASES = [
     (1, 256, 45, 4, 32, "float32", False),
     (17, 200, 45, 4, 64, "float32", True),
-    (1, 200, 64, 8, -1, "float32", True),
-    (17, 300, 45, 8, 128, "float32", False),
-    (5, 97, 17, 3, 32, "float32", True),
-    (1, 200, 45, 4, 128, "bfloat16", False),
-    (17, 256, 33, 8, 32, "bfloat16", True),
-    (17, 200, 45, 4, -1, "bfloat16", True),
+    pytest.param(1, 200, 64, 8, -1, "float32", True, marks=pytest.mark.slow),
+    pytest.param(17, 300, 45, 8, 128, "float32", False, marks=pytest.mark.slow),
+    pytest.param(5, 97, 17, 3, 32, "float32", True, marks=pytest.mark.slow),
+    pytest.param(1, 200, 45, 4, 128, "bfloat16", False, marks=pytest.mark.slow),
+    pytest.param(17, 256, 33, 8, 32, "bfloat16", True, marks=pytest.mark.slow),
+    pytest.param(17, 200, 45, 4, -1, "bfloat16", True, marks=pytest.mark.slow),
 ]
 
 
@@ -90,7 +90,8 @@ def test_the_product_is_within_the_tolerance_of_float64(rows, k, n, bits, group_
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("bits,group_size", [(4, 64), (4, -1), (8, 32), (8, 128)])
+@pytest.mark.parametrize("bits,group_size", [(4, 64), pytest.param(4, -1, marks=pytest.mark.slow), (8, 32),
+                                             pytest.param(8, 128, marks=pytest.mark.slow)])
 def test_the_kernel_dequantizes_exactly_as_weight_only_dequantize(bits, group_size, dtype):
     # x = I: each output is one weight times 1 plus zeros, so the product shows the kernel's
     # weights (in the compute dtype) exactly. K = 200: a tail tile; N = 45: odd, a tail tile.
@@ -116,6 +117,7 @@ def test_act_order_g_idx_dequantizes_each_weight_with_its_group(bits):
     _assert_close(_run(x, weights, (bits, 32)), x, weights, (bits, 32), jnp.float32)
 
 
+@pytest.mark.slow
 def test_small_blocks_cover_many_tiles_and_give_the_same_product():
     # 16 x 16 x 16 tiles over 17 rows, 23 stored (4-bit) rows, K = 200: tails in every dimension.
     weights = _weights(45, 200, 4, 64, seed=41, awq=False)
@@ -148,6 +150,7 @@ def test_other_einsums_and_uncalibrated_weights_take_the_xla_path():
         weight_only.einsum_kernel("mk,kn->mn", x, uncalibrated, (8, -1), jnp.float32, kernel="pallas")
 
 
+@pytest.mark.slow
 def test_gradients_flow_to_the_inputs_through_xla():
     weights = _weights(24, 64, 4, 32, seed=71, awq=True)
     x = _inputs((3, 64), seed=72)

@@ -40,7 +40,7 @@ def _bits_of(a):
     return a.view(f"uint{8 * a.dtype.itemsize}")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("k,group_size", GROUPINGS)
 @pytest.mark.parametrize("bits", [8, 4])
 def test_natural_order_weights_and_products_equal_the_gathers_bit_for_bit(bits, k, group_size, dtype):
